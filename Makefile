@@ -1,0 +1,45 @@
+# Quick start:  make demo   (set up, run the Fashion-MNIST MCD reproduction, print the table)
+#               make test   (set up, run the whole test suite)
+# Also:         make lab    (JupyterLab on the notebooks)
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+APT_PACKAGES := graphviz dataset-fashion-mnist
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: demo test lab system-deps notebooks-html clean
+
+$(VENV)/.core: pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.core
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Debian packages: Graphviz's `dot` (torchviz graphs) and Fashion-MNIST (the ID set), with apt
+# when we are root and apt is there; otherwise say what to install.
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES) $(EXTRA_APT); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing with apt:$$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else \
+		echo "note: please install these Debian/Ubuntu packages:$$missing (sudo apt-get install$$missing)."; \
+		echo "      Without them: no rendered graphs, and Fashion-MNIST is looked for in \$$MCD_DATA_DIR or downloaded."; \
+	fi
+
+demo: system-deps $(VENV)/.core
+	$(PY) -m mcd_helpers reproduce --preset quick --out runs/demo
+
+test: system-deps $(VENV)/.dev
+	$(PY) -m pytest -ra
+
+lab: system-deps $(VENV)/.core
+	$(VENV)/bin/jupyter lab notebooks/
+
+clean:
+	rm -rf build runs .pytest_cache

@@ -1,0 +1,115 @@
+"""Command line: ``python -m mcd_helpers reproduce``.
+
+Examples::
+
+    python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 5 minutes
+    python -m mcd_helpers reproduce --list-presets
+    python -m mcd_helpers reproduce --preset quick --out runs/x --strategies concat --margin 0.8
+
+Every field of :class:`mcd_helpers.config.MCDConfig` is a flag (``finetune_lr`` ->
+``--finetune-lr``); tuple fields take comma-separated values (``--ood-sets digits,gaussian``).
+The data root is ``$MCD_DATA_DIR`` (see :mod:`mcd_helpers.data`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from pathlib import Path
+
+from .config import PRESETS, MCDConfig, get_preset
+
+_FIELD_HELP = {
+    "id_dataset": "ID data set (Fashion-MNIST on CPU)",
+    "ood_sets": "OOD sets, comma-separated: digits, photo_crops, gaussian, uniform, mnist",
+    "ood_size": "number of samples in the generated OOD sets (photo_crops, gaussian, uniform)",
+    "n_val": "validation samples taken from each of the ID test set and the OOD set",
+    "split_seed": "seed of the transductive split's permutation (official code: 3)",
+    "model": "network: small_cnn, densenet_bc_100 or wrn_28_10",
+    "norm": "normalisation of small_cnn: batch, group or none",
+    "pretrain_epochs": "pre-training epochs (CE on both heads)",
+    "pretrain_lr": "pre-training SGD learning rate",
+    "pretrain_momentum": "pre-training SGD momentum",
+    "pretrain_weight_decay": "pre-training weight decay",
+    "pretrain_milestones": "epochs at which the pre-training lr is multiplied by 0.1, comma-separated",
+    "pretrain_batch_size": "pre-training batch size",
+    "schedule": "fine-tuning schedule: official (Step A then Step B) or step_b (Step B only)",
+    "strategies": "how Step B feeds the two batches, comma-separated: separate, concat",
+    "finetune_epochs": "fine-tuning epochs (model selection by validation AUROC after each)",
+    "steps_per_epoch": "cap on fine-tuning iterations per epoch (0 = one pass over the labeled set)",
+    "finetune_lr": "fine-tuning SGD learning rate (constant)",
+    "finetune_momentum": "fine-tuning SGD momentum",
+    "finetune_weight_decay": "fine-tuning weight decay",
+    "batch_size_sup": "labeled batch size in fine-tuning",
+    "batch_size_unsup": "unlabeled batch size in fine-tuning",
+    "margin": "margin m of the discrepancy loss, in nats",
+    "seed": "seed of initialisation, shuffling and generated OOD sets",
+    "eval_batch_size": "batch size for evaluation",
+    "device": "torch device, e.g. cpu or cuda",
+    "num_threads": "CPU threads for PyTorch (0 = its default)",
+}
+
+
+def _parse_tuple(kind):
+    def parse(text: str):
+        return tuple(kind(v) for v in text.split(",") if v.strip())
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mcd_helpers", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rep = sub.add_parser("reproduce", help="pre-train, fine-tune with MCD, evaluate, write results",
+                         description="Pre-train on the ID set (or reuse the cached network), fine-tune "
+                         "one model per OOD set and strategy, evaluate MCD and MSP on the test split, "
+                         "write results.json, results.md and PNG plots into --out.")
+    rep.add_argument("--preset", default="quick", help=f"named settings: {', '.join(PRESETS)} (default quick)")
+    rep.add_argument("--list-presets", action="store_true", help="show the presets and exit")
+    rep.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
+    rep.add_argument("--retrain", action="store_true", help="pre-train again even if a cached network exists")
+    rep.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
+    hints = typing.get_type_hints(MCDConfig)
+    for f in dataclasses.fields(MCDConfig):
+        if f.name == "extra":
+            continue
+        hint = hints[f.name]
+        if typing.get_origin(hint) is tuple:
+            kind, default = _parse_tuple(typing.get_args(hint)[0]), ",".join(map(str, f.default))
+        else:
+            kind, default = hint, f.default
+        rep.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, dest=f.name,
+                         help=f"{_FIELD_HELP.get(f.name, f.name)} (default: from the preset; base {default})")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.list_presets:
+        for name, cfg in PRESETS.items():
+            changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                       if getattr(cfg, f.name) != getattr(MCDConfig(), f.name)}
+            print(f"{name}: {changed or 'the MCDConfig defaults'}")
+        return 0
+    if args.out is None:
+        print("error: --out DIR is required (the folder for results.json, results.md and plots)",
+              file=sys.stderr)
+        return 2
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
+                 if f.name != "extra" and getattr(args, f.name) is not None}
+    try:
+        cfg = get_preset(args.preset, **overrides)
+    except (KeyError, ValueError) as err:
+        print(f"error: {err.args[0]}", file=sys.stderr)
+        return 2
+    from .reproduce import run_reproduction
+
+    run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet)
+    if not args.quiet:
+        print((args.out / "results.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,266 @@
+"""Data for MCD on CPU: Fashion-MNIST as the ID set, offline OOD sets, the transductive split.
+
+* ID: Fashion-MNIST (Xiao et al. 2017), looked for in three places, in order:
+  1. ``$MCD_DATA_DIR/FashionMNIST/raw/`` (torchvision's layout, ``.gz`` or extracted IDX files);
+  2. the Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/``),
+     extracted once into the cache root;
+  3. torchvision's download into the cache root.
+  The cache root is ``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers``.
+* OOD sets that need no network, all 28x28 grayscale in [0, 1]: ``digits`` (scikit-learn's
+  1,797 handwritten 8x8 digits, upsampled), ``photo_crops`` (random crops of scikit-learn's two
+  sample photos, the analog of the paper's TinyImageNet/LSUN "crop" sets), ``gaussian`` and
+  ``uniform`` noise as ODIN defines them (Liang et al. 2018, arXiv 1706.02690); ``mnist``
+  through torchvision when it can be had.
+* The transductive split of the official code (github.com/YU1ut/UOOD-MCD ``utils/loader.py``):
+  the ID test set and the OOD set are each permuted with ``np.random.seed(3)``; the first 1,000 of
+  each are validation, the rest is both the unlabeled fine-tuning set and the test set.
+
+All image tensors are ``(N, 1, 28, 28)`` float32, normalised with Fashion-MNIST's mean and std.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
+           "DataNotFoundError", "cache_root", "load_fashion_mnist", "load_ood", "normalize",
+           "TransductiveSplit", "transductive_split", "infinite_loader", "IMAGE_SHAPE"]
+
+FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530  # over the 60k training images, pixels in [0, 1]
+DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+IMAGE_SHAPE = (1, 28, 28)
+OFFLINE_OOD_SETS = ("digits", "photo_crops", "gaussian", "uniform")
+OOD_SETS = OFFLINE_OOD_SETS + ("mnist",)
+_FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                 "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+
+
+class DataNotFoundError(FileNotFoundError):
+    """A data set was not found in any of the places looked in; the message names them."""
+
+
+def cache_root() -> Path:
+    """``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers`` (``$XDG_CACHE_HOME`` respected)."""
+    if os.environ.get("MCD_DATA_DIR"):
+        return Path(os.environ["MCD_DATA_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "mcd_helpers"
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """Map pixels in [0, 1] to Fashion-MNIST's standardised scale: (x - mean) / std."""
+    return (x - FMNIST_MEAN) / FMNIST_STD
+
+
+def _has_fmnist(root: Path) -> bool:
+    raw = root / "FashionMNIST" / "raw"
+    return all((raw / f).exists() or (raw / f"{f}.gz").exists() for f in _FMNIST_FILES)
+
+
+def _extract_debian(root: Path) -> None:
+    """Decompress Debian's ``.gz`` files into torchvision's layout (write to a temp file, then rename)."""
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in _FMNIST_FILES:
+        target = raw / name
+        if target.exists():
+            continue
+        tmp = target.with_suffix(".tmp")
+        with gzip.open(DEBIAN_FMNIST_DIR / f"{name}.gz", "rb") as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        os.replace(tmp, target)
+
+
+def _fmnist_root() -> Path:
+    from torchvision.datasets import FashionMNIST
+
+    env = os.environ.get("MCD_DATA_DIR")
+    if env and _has_fmnist(Path(env).expanduser()):
+        return Path(env).expanduser()
+    root = cache_root()
+    if _has_fmnist(root):
+        return root
+    if all((DEBIAN_FMNIST_DIR / f"{f}.gz").exists() for f in _FMNIST_FILES):
+        _extract_debian(root)
+        return root
+    try:
+        FashionMNIST(str(root), train=True, download=True)
+        return root
+    except Exception as err:  # no network, a proxy, a full disk: all end the same way
+        raise DataNotFoundError(
+            "Fashion-MNIST (the ID set) was not found. Looked in:\n"
+            f"  1. $MCD_DATA_DIR = {env or '(not set)'}: put the four IDX files (.gz or extracted) "
+            "in $MCD_DATA_DIR/FashionMNIST/raw/;\n"
+            f"  2. {DEBIAN_FMNIST_DIR}: install the Debian package with "
+            "`sudo apt-get install dataset-fashion-mnist`;\n"
+            f"  3. torchvision's download into {root}: failed with {type(err).__name__}: {err}. "
+            "Connect to the internet, or fill place 1 or 2.") from err
+
+
+def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST as normalised tensors.
+
+    Returns:
+        ``(x, y)``: ``x`` of shape ``(N, 1, 28, 28)`` float32 (normalised), ``y`` of shape ``(N,)``
+        int64 in [0, 10); N = 60,000 (train) or 10,000 (test).
+
+    Raises:
+        DataNotFoundError: when none of the three places holds the data (see the module docstring).
+    """
+    from torchvision.datasets import FashionMNIST
+
+    ds = FashionMNIST(str(_fmnist_root()), train=train, download=False)
+    x = ds.data.unsqueeze(1).float().div_(255.0)  # (N, 1, 28, 28) in [0, 1]
+    return normalize(x), ds.targets.long()
+
+
+# ----------------------------------------------------------------------------------------------
+# OOD sets
+# ----------------------------------------------------------------------------------------------
+
+def _digits() -> torch.Tensor:
+    from sklearn.datasets import load_digits
+    from torchvision.transforms.functional import resize
+
+    x = torch.from_numpy(load_digits().images).float().div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8)
+    return resize(x, [28, 28], antialias=True).clamp_(0.0, 1.0)
+
+
+def _photo_crops(n: int, generator: torch.Generator) -> torch.Tensor:
+    from sklearn.datasets import load_sample_images
+    from torchvision.transforms.functional import rgb_to_grayscale
+
+    photos = [rgb_to_grayscale(torch.from_numpy(np.array(img)).permute(2, 0, 1)).float().div_(255.0)
+              for img in load_sample_images().images]  # two (1, 427, 640) grayscale photos
+    which = torch.randint(len(photos), (n,), generator=generator)
+    crops = []
+    for i in which.tolist():
+        _, h, w = photos[i].shape
+        top = int(torch.randint(h - 27, (1,), generator=generator))
+        left = int(torch.randint(w - 27, (1,), generator=generator))
+        crops.append(photos[i][:, top:top + 28, left:left + 28])
+    return torch.stack(crops)  # (n, 1, 28, 28)
+
+
+def _mnist() -> torch.Tensor:
+    from torchvision.datasets import MNIST
+
+    root = cache_root()
+    try:
+        ds = MNIST(str(root), train=False, download=True)
+    except Exception as err:
+        raise DataNotFoundError(
+            f"MNIST was not found in {root}/MNIST/raw/ and torchvision's download failed "
+            f"({type(err).__name__}). Put MNIST's four IDX files there (set $MCD_DATA_DIR to choose "
+            "the folder) or connect to the internet; the offline OOD sets are "
+            f"{', '.join(OFFLINE_OOD_SETS)}.") from err
+    return ds.data.unsqueeze(1).float().div_(255.0)
+
+
+def load_ood(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:
+    """An OOD set as a normalised tensor ``(N, 1, 28, 28)`` float32.
+
+    Args:
+        name: one of ``digits`` (N = 1,797 always), ``photo_crops``, ``gaussian``, ``uniform``
+            (N = ``n``, drawn with ``seed``) or ``mnist`` (N = 10,000, the MNIST test set).
+        n: size of the generated sets (ODIN uses 10,000).
+        seed: seed of the generated sets.
+
+    Raises:
+        ValueError: on an unknown name or ``n < 1``.
+        DataNotFoundError: for ``mnist`` when it is neither on disk nor downloadable.
+    """
+    if name not in OOD_SETS:
+        raise ValueError(f"unknown OOD set {name!r}; choose from {', '.join(OOD_SETS)}.")
+    if n < 1:
+        raise ValueError(f"an OOD set needs at least one sample, got n={n}.")
+    g = torch.Generator().manual_seed(seed)
+    if name == "digits":
+        x = _digits()
+    elif name == "photo_crops":
+        x = _photo_crops(n, g)
+    elif name == "gaussian":  # ODIN: N(0.5, 1) clipped to [0, 1]
+        x = torch.clamp(torch.randn((n, *IMAGE_SHAPE), generator=g) + 0.5, 0.0, 1.0)
+    elif name == "uniform":  # ODIN: U[0, 1]
+        x = torch.rand((n, *IMAGE_SHAPE), generator=g)
+    else:
+        x = _mnist()
+    return normalize(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The transductive split and loaders
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TransductiveSplit:
+    """ID test set + OOD set split as the official code does it.
+
+    ``val_*`` are the first ``n_val`` of each permuted set (model selection); ``test_*`` the rest,
+    which is both the unlabeled fine-tuning data and the test data (the paper's transductive
+    setting). Shapes: ``x`` ``(N, 1, 28, 28)``, ``y`` ``(N,)`` (ID labels).
+    """
+    val_id_x: torch.Tensor
+    val_id_y: torch.Tensor
+    val_ood_x: torch.Tensor
+    test_id_x: torch.Tensor
+    test_id_y: torch.Tensor
+    test_ood_x: torch.Tensor
+
+    def unlabeled(self) -> TensorDataset:
+        """The unlabeled fine-tuning set: test ID + test OOD images, ``(N_id + N_ood, 1, 28, 28)``."""
+        return TensorDataset(torch.cat([self.test_id_x, self.test_ood_x]))
+
+
+def transductive_split(id_x: torch.Tensor, id_y: torch.Tensor, ood_x: torch.Tensor,
+                       n_val: int = 1000, seed: int = 3) -> TransductiveSplit:
+    """Permute the ID test set and the OOD set with ``np.random.seed(seed)`` and split each.
+
+    Follows ``utils/loader.py`` of the official code (seed 3, 1,000 validation samples of each).
+
+    Raises:
+        ValueError: if either set has no more than ``n_val`` samples (nothing would be left to
+            test on) or the ID images and labels differ in length.
+    """
+    if len(id_x) != len(id_y):
+        raise ValueError(f"id_x has {len(id_x)} images but id_y {len(id_y)} labels.")
+    for name, x in (("ID test set", id_x), ("OOD set", ood_x)):
+        if len(x) <= n_val:
+            raise ValueError(f"the {name} has {len(x)} samples, but the first n_val={n_val} go to "
+                             "validation and at least one must be left for testing; "
+                             "pass a smaller n_val or a larger set.")
+    p_id = torch.from_numpy(np.random.RandomState(seed).permutation(len(id_x)))
+    p_ood = torch.from_numpy(np.random.RandomState(seed).permutation(len(ood_x)))
+    return TransductiveSplit(
+        val_id_x=id_x[p_id[:n_val]], val_id_y=id_y[p_id[:n_val]], val_ood_x=ood_x[p_ood[:n_val]],
+        test_id_x=id_x[p_id[n_val:]], test_id_y=id_y[p_id[n_val:]], test_ood_x=ood_x[p_ood[n_val:]])
+
+
+def infinite_loader(loader: DataLoader) -> Iterator:
+    """Yield batches forever, iterating ``loader`` again each time it runs out.
+
+    A new pass starts a new iterator, so a shuffling loader reshuffles and nothing is stored.
+    Use it to pair a labeled loader with an unlabeled one of another length (the official code
+    restarts its unlabeled iterator the same way). Not ``itertools.cycle`` (it stores the first
+    pass and replays it unshuffled), not ``zip`` (stops at the shorter loader), and never
+    ``loader[i]`` (a DataLoader is not subscriptable).
+
+    Raises:
+        ValueError: if the loader yields no batch at all (it would loop forever).
+    """
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("infinite_loader got a loader that yields no batches "
+                             "(empty data set, or drop_last=True with fewer samples than batch_size).")

@@ -1,0 +1,147 @@
+"""The reproduction pipeline behind ``python -m mcd_helpers reproduce``.
+
+1. Load Fashion-MNIST (ID) and pre-train the model, or reuse the cached pre-trained checkpoint
+   (``<cache root>/checkpoints/pretrain-<model>-<hash>.pt``, the hash covering every setting
+   that shapes it).
+2. For each OOD set: the transductive split; the MSP baseline on the pre-trained network; then
+   one MCD fine-tuning per strategy, each from the same pre-trained weights and seed.
+3. Evaluate on the test split and write ``results.json`` (atomically), ``results.md`` and, per
+   OOD set, ``hist_<ood>.png`` (score histograms) and ``roc_<ood>.png`` (ROC curves).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import (CorruptCheckpointError, atomic_write_json, atomic_write_text,
+                         load_checkpoint, save_checkpoint)
+from .config import MCDConfig
+from .data import IMAGE_SHAPE, cache_root, load_fashion_mnist, load_ood, transductive_split
+from .losses import discrepancy_score, msp_score
+from .metrics import METRIC_KEYS, ood_metrics
+from .models import TwoHeadNet, build_model
+from .train import finetune, predict_logits, pretrain, set_seed
+
+__all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown"]
+
+
+def id_accuracy(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch.Tensor) -> float:
+    """Accuracy (fraction) of the two heads' mean softmax, argmax_k (p1_k + p2_k) / 2, on ID data."""
+    pred = (logits1.softmax(1) + logits2.softmax(1)).argmax(1)
+    return float((pred == targets).float().mean())
+
+
+def _log(msg: str, quiet: bool) -> None:
+    if not quiet:
+        print(msg, flush=True)
+
+
+def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: bool = False,
+                     progress: bool = True, quiet: bool = False) -> TwoHeadNet:
+    """The pre-trained network for ``cfg``: loaded from the cache if there, else trained and cached."""
+    path = cache_root() / "checkpoints" / f"pretrain-{cfg.model}-{cfg.pretrain_key()}.pt"
+    model = build_model(cfg.model, IMAGE_SHAPE[0], 10, cfg.norm)
+    if path.exists() and not retrain:
+        try:
+            model.load_state_dict(load_checkpoint(path, required=("model",))["model"])
+            _log(f"reusing the pre-trained network {path}", quiet)
+            return model
+        except CorruptCheckpointError as err:
+            _log(f"{err} Training again.", quiet)
+    set_seed(cfg.seed)
+    model = build_model(cfg.model, IMAGE_SHAPE[0], 10, cfg.norm)
+    t0 = time.time()
+    losses = pretrain(model, x, y, cfg, progress=progress)
+    _log(f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
+         f"(last epoch's loss {losses[-1]:.3f} nats)", quiet)
+    save_checkpoint(path, {"model": model.state_dict(), "config": cfg.to_dict(), "losses": losses})
+    return model
+
+
+def results_markdown(rows: list[dict]) -> str:
+    """A Markdown table of result rows, metrics in % (the paper's unit)."""
+    head = ("| ID | OOD | method | strategy | FPR95 | det. error | AUROC | AUPR-In | AUPR-Out | ID acc. |\n"
+            "|---|---|---|---|---:|---:|---:|---:|---:|---:|\n")
+    lines = [f"| {r['id_dataset']} | {r['ood_dataset']} | {r['method']} | {r['strategy'] or '-'} | "
+             + " | ".join(f"{100 * r[k]:.2f}" for k in (*METRIC_KEYS, "id_accuracy")) + " |"
+             for r in rows]
+    return head + "\n".join(lines) + "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
+
+
+def _row(cfg: MCDConfig, ood: str, method: str, strategy, metrics: dict, acc: float, **extra) -> dict:
+    return {"id_dataset": cfg.id_dataset, "ood_dataset": ood, "method": method, "strategy": strategy,
+            "seed": cfg.seed, **metrics, "id_accuracy": acc, **extra}
+
+
+def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progress: bool = True,
+                     quiet: bool = False) -> list[dict]:
+    """Run the whole reproduction for ``cfg`` and write the results into ``out_dir``.
+
+    Returns:
+        the result rows (also in ``out_dir/results.json``): one ``msp`` row per OOD set and one
+        ``mcd`` row per OOD set and strategy, metrics as fractions (see :mod:`mcd_helpers.metrics`).
+
+    Raises:
+        DataNotFoundError: when Fashion-MNIST (or ``mnist``) cannot be found.
+        NonFiniteLossError: when training diverges.
+    """
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .plots import plot_roc_curves, plot_score_histograms
+
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out_dir / "config.json", cfg.to_dict())
+    x_train, y_train = load_fashion_mnist(train=True)
+    x_test, y_test = load_fashion_mnist(train=False)
+    base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet)
+
+    rows: list[dict] = []
+    for ood in cfg.ood_sets:
+        split = transductive_split(x_test, y_test, load_ood(ood, cfg.ood_size, cfg.seed),
+                                   cfg.n_val, cfg.split_seed)
+        # ---- MSP baseline on the pre-trained network (F1's softmax) ----
+        l1_id, l2_id = predict_logits(base, split.test_id_x, cfg.eval_batch_size, cfg.device)
+        l1_ood, _ = predict_logits(base, split.test_ood_x, cfg.eval_batch_size, cfg.device)
+        msp = (msp_score(l1_id), msp_score(l1_ood))
+        rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, l2_id, split.test_id_y)))
+        panels, curves = {"MSP (pre-trained)": msp}, {"MSP (pre-trained)": msp}
+        # ---- MCD fine-tuning, once per strategy, from the same weights and seed ----
+        for strategy in cfg.strategies:
+            set_seed(cfg.seed)
+            model = copy.deepcopy(base)
+            t0 = time.time()
+            hist = finetune(model, x_train, y_train, split, cfg, strategy, progress=progress)
+            seconds = time.time() - t0
+            save_checkpoint(out_dir / "checkpoints" / f"mcd-{ood}-{strategy}.pt",
+                            {"model": model.state_dict(), "config": cfg.to_dict(), "ood": ood,
+                             "strategy": strategy, "val_auroc": hist.val_auroc})
+            l1_id, l2_id = predict_logits(model, split.test_id_x, cfg.eval_batch_size, cfg.device)
+            l1_ood, l2_ood = predict_logits(model, split.test_ood_x, cfg.eval_batch_size, cfg.device)
+            mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
+            m = ood_metrics(*mcd)
+            rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, l2_id, split.test_id_y),
+                             best_val_auroc=max(hist.val_auroc), finetune_seconds=round(seconds, 1)))
+            panels[f"MCD ({strategy})"] = curves[f"MCD ({strategy})"] = mcd
+            _log(f"{ood:>12} | mcd {strategy:>8} | AUROC {100 * m['auroc']:6.2f}% | FPR95 "
+                 f"{100 * m['fpr95']:5.2f}% | ID acc. {100 * rows[-1]['id_accuracy']:.2f}% | {seconds:.0f} s", quiet)
+        for name, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"Fashion-MNIST (ID) vs {ood} (OOD)")),
+                          (f"roc_{ood}.png", plot_roc_curves(curves, f"Fashion-MNIST vs {ood}"))):
+            fig.savefig(out_dir / name, dpi=110)
+            plt.close(fig)
+    atomic_write_json(out_dir / "results.json", rows)
+    atomic_write_text(out_dir / "results.md", results_markdown(rows))
+    return rows
+
+
+def load_results(out_dir: Path) -> list[dict]:
+    """Read ``out_dir/results.json``."""
+    return json.loads((Path(out_dir) / "results.json").read_text())

@@ -1,0 +1,144 @@
+import gzip
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import mcd_helpers.data as data
+from mcd_helpers.data import (DataNotFoundError, infinite_loader, load_fashion_mnist, load_ood,
+                              normalize, transductive_split)
+
+
+def _fail_download(*args, **kwargs):
+    raise RuntimeError("no network in tests")
+
+
+def test_missing_fashion_mnist_names_all_three_places(tmp_data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", tmp_path / "no-debian")
+    import torchvision.datasets
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", _fail_download)
+    with pytest.raises(DataNotFoundError) as err:
+        load_fashion_mnist(train=False)
+    msg = str(err.value)
+    assert str(tmp_data_dir) in msg and "no-debian" in msg and "apt-get install dataset-fashion-mnist" in msg
+    assert "download" in msg and "no network in tests" in msg
+
+
+def _write_idx(path, array, kind):
+    # IDX format by hand: magic (0, 0, type 0x08 = ubyte, ndim), sizes big-endian, raw bytes.
+    header = bytes([0, 0, 8, array.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_debian_layout_is_extracted_and_read(tmp_data_dir, tmp_path, monkeypatch):
+    deb = tmp_path / "debian"
+    deb.mkdir()
+    rng = np.random.RandomState(0)
+    imgs = {"train": rng.randint(0, 256, (5, 28, 28)), "t10k": rng.randint(0, 256, (3, 28, 28))}
+    labels = {"train": np.array([0, 1, 2, 3, 9]), "t10k": np.array([4, 5, 6])}
+    for split in ("train", "t10k"):
+        _write_idx(deb / f"{split}-images-idx3-ubyte.gz", imgs[split], "images")
+        _write_idx(deb / f"{split}-labels-idx1-ubyte.gz", labels[split], "labels")
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", deb)
+    x, y = load_fashion_mnist(train=False)
+    assert x.shape == (3, 1, 28, 28) and y.tolist() == [4, 5, 6]
+    torch.testing.assert_close(x[:, 0], normalize(torch.from_numpy(imgs["t10k"]).float() / 255))
+    assert (tmp_data_dir / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte").exists()
+
+
+@pytest.mark.skipif(not data.DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
+def test_real_fashion_mnist_test_set():
+    x, y = load_fashion_mnist(train=False)
+    assert x.shape == (10_000, 1, 28, 28) and y.shape == (10_000,)
+    assert torch.bincount(y).tolist() == [1000] * 10  # Fashion-MNIST's test set is balanced
+    raw = x * data.FMNIST_STD + data.FMNIST_MEAN
+    assert raw.min() >= -1e-6 and raw.max() <= 1 + 1e-6
+
+
+@pytest.mark.parametrize("name", data.OFFLINE_OOD_SETS)
+def test_offline_ood_sets(name):
+    x = load_ood(name, n=50, seed=1)
+    raw = x * data.FMNIST_STD + data.FMNIST_MEAN
+    assert x.shape[1:] == (1, 28, 28) and x.dtype == torch.float32
+    assert len(x) == (1797 if name == "digits" else 50)
+    assert raw.min() >= -1e-5 and raw.max() <= 1 + 1e-5
+    torch.testing.assert_close(load_ood(name, n=50, seed=1), x)  # reproducible
+
+
+def test_odin_noise_definitions():
+    g = data.FMNIST_STD * load_ood("gaussian", n=2000, seed=0) + data.FMNIST_MEAN
+    u = data.FMNIST_STD * load_ood("uniform", n=2000, seed=0) + data.FMNIST_MEAN
+    # clamp(N(0.5, 1), 0, 1): P(clamped at 0) = P(Z < -0.5) = 0.3085
+    assert (g < 1e-6).float().mean().item() == pytest.approx(0.3085, abs=0.01)
+    assert u.mean().item() == pytest.approx(0.5, abs=0.01) and u.var().item() == pytest.approx(1 / 12, abs=0.005)
+
+
+def test_digits_keep_sklearn_content():
+    from sklearn.datasets import load_digits
+    x = data.FMNIST_STD * load_ood("digits") + data.FMNIST_MEAN
+    # upsampling keeps the mean intensity of each 8x8 image (0..16 scaled to 0..1) approximately
+    want = torch.from_numpy(load_digits().images / 16.0).float().mean(dim=(1, 2))
+    torch.testing.assert_close(x.mean(dim=(1, 2, 3)), want, atol=0.03, rtol=0)
+
+
+def test_unknown_ood_set():
+    with pytest.raises(ValueError, match="photo_crops"):
+        load_ood("svhn")
+
+
+def test_mnist_missing_gives_clear_error(tmp_data_dir, monkeypatch):
+    import torchvision.datasets
+    monkeypatch.setattr(torchvision.datasets, "MNIST", _fail_download)
+    with pytest.raises(DataNotFoundError, match="MNIST"):
+        load_ood("mnist")
+
+
+def test_transductive_split_follows_official_permutation():
+    id_x = torch.arange(1200).view(-1, 1, 1, 1).float()
+    id_y = torch.arange(1200) % 10
+    ood_x = -torch.arange(1500).view(-1, 1, 1, 1).float() - 1
+    s = transductive_split(id_x, id_y, ood_x)
+    np.random.seed(3)
+    p1 = np.random.permutation(1200)
+    np.random.seed(3)
+    p2 = np.random.permutation(1500)
+    assert s.val_id_x.flatten().long().tolist() == p1[:1000].tolist()
+    assert s.test_id_x.flatten().long().tolist() == p1[1000:].tolist()
+    assert s.test_id_y.tolist() == (p1[1000:] % 10).tolist()
+    assert (-s.val_ood_x.flatten() - 1).long().tolist() == p2[:1000].tolist()
+    assert len(s.test_ood_x) == 500
+    (u,) = s.unlabeled().tensors
+    assert len(u) == 200 + 500  # the test split is also the unlabeled fine-tuning set
+    assert set(u.flatten().long().tolist()) == set(p1[1000:].tolist()) | set((-p2[1000:] - 1).tolist())
+
+
+def test_transductive_split_too_small():
+    with pytest.raises(ValueError, match="n_val=1000"):
+        transductive_split(torch.zeros(1000, 1, 2, 2), torch.zeros(1000).long(), torch.zeros(2000, 1, 2, 2))
+
+
+def test_infinite_loader_reshuffles_and_never_stops():
+    ds = TensorDataset(torch.arange(6))
+    loader = DataLoader(ds, batch_size=6, shuffle=True, generator=torch.Generator().manual_seed(0))
+    passes = [b[0].tolist() for b in itertools.islice(infinite_loader(loader), 5)]
+    assert all(sorted(p) == list(range(6)) for p in passes)  # each pass is a full permutation
+    assert len({tuple(p) for p in passes}) > 1  # reshuffled, unlike itertools.cycle
+    cyc = [b[0].tolist() for b in itertools.islice(itertools.cycle(loader), 5)]
+    assert len({tuple(p) for p in cyc}) == 1  # the trap it avoids: cycle replays the first pass
+
+
+def test_infinite_loader_pairs_with_a_longer_loader():
+    short = DataLoader(TensorDataset(torch.arange(3)), batch_size=1)
+    long = DataLoader(TensorDataset(torch.arange(10)), batch_size=1)
+    assert len(list(zip(long, short))) == 3  # zip stops at the shorter loader
+    pairs = list(zip(long, infinite_loader(short)))
+    assert len(pairs) == 10 and [p[1][0].item() for p in pairs] == [0, 1, 2] * 3 + [0]
+
+
+def test_infinite_loader_on_empty_loader_raises():
+    empty = DataLoader(TensorDataset(torch.arange(3)), batch_size=5, drop_last=True)
+    with pytest.raises(ValueError, match="no batches"):
+        next(infinite_loader(empty))
