@@ -18,7 +18,8 @@ import sys
 import typing
 from pathlib import Path
 
-from .config import PRESETS, MCDConfig, get_preset
+from .config import MCDConfig
+from .presets import PRESETS, get_preset
 
 _FIELD_HELP = {
     "id_dataset": "ID data set (Fashion-MNIST on CPU)",

@@ -1,4 +1,4 @@
-"""Run configuration: one dataclass whose defaults say where they come from, and named presets.
+"""Run configuration: one dataclass whose defaults say where they come from (presets: ``presets.py``).
 
 Every field is a CLI flag of ``python -m mcd_helpers reproduce`` (``--finetune-lr 0.001`` sets
 ``finetune_lr``). The config is stored in every checkpoint and in ``results.json``'s folder.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .data import OFFLINE_OOD_SETS
 
-__all__ = ["MCDConfig", "PRESETS", "get_preset", "STRATEGIES", "SCHEDULES"]
+__all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES"]
 
 STRATEGIES = ("separate", "concat")
 SCHEDULES = ("official", "step_b")
@@ -92,21 +92,3 @@ class MCDConfig:
                 "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed")
         blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-PRESETS: dict[str, MCDConfig] = {
-    # CPU-sized: Fashion-MNIST, small_cnn, 3 pre-training epochs, one capped fine-tuning epoch.
-    "quick": MCDConfig(steps_per_epoch=150),
-}
-
-
-def get_preset(name: str, **overrides) -> MCDConfig:
-    """A copy of preset ``name`` with ``overrides`` applied.
-
-    Raises:
-        KeyError: on an unknown preset name (the message lists the known ones).
-        TypeError: on an override that is not a config field.
-    """
-    if name not in PRESETS:
-        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}.")
-    return dataclasses.replace(PRESETS[name], **overrides)

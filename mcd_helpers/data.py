@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
+__all__ = ["load_id", "ID_DATASETS", "FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
            "DataNotFoundError", "cache_root", "load_fashion_mnist", "load_ood", "normalize",
            "TransductiveSplit", "transductive_split", "infinite_loader", "IMAGE_SHAPE"]
 
@@ -122,6 +122,21 @@ def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return normalize(x), ds.targets.long()
 
 
+ID_DATASETS = ("fashion_mnist",)
+
+
+def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ID data set by name as normalised tensors ``x: (N, C, H, W)``, ``y: (N,)``.
+
+    Raises:
+        ValueError: on an unknown name.
+        DataNotFoundError: when the data cannot be found (the message says where it looked).
+    """
+    if name == "fashion_mnist":
+        return load_fashion_mnist(train)
+    raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
+
+
 # ----------------------------------------------------------------------------------------------
 # OOD sets
 # ----------------------------------------------------------------------------------------------
@@ -165,8 +180,8 @@ def _mnist() -> torch.Tensor:
     return ds.data.unsqueeze(1).float().div_(255.0)
 
 
-def load_ood(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:
-    """An OOD set as a normalised tensor ``(N, 1, 28, 28)`` float32.
+def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
+    """An OOD set as a tensor ``(N, 1, 28, 28)`` float32, normalised like the ID set ``id_dataset``.
 
     Args:
         name: one of ``digits`` (N = 1,797 always), ``photo_crops``, ``gaussian``, ``uniform``
@@ -178,6 +193,8 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:
         ValueError: on an unknown name or ``n < 1``.
         DataNotFoundError: for ``mnist`` when it is neither on disk nor downloadable.
     """
+    if id_dataset != "fashion_mnist":
+        raise ValueError(f"no OOD sets defined for ID data set {id_dataset!r}; known: fashion_mnist.")
     if name not in OOD_SETS:
         raise ValueError(f"unknown OOD set {name!r}; choose from {', '.join(OOD_SETS)}.")
     if n < 1:

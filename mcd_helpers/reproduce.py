@@ -20,7 +20,7 @@ import torch
 from .checkpoint import (CorruptCheckpointError, atomic_write_json, atomic_write_text,
                          load_checkpoint, save_checkpoint)
 from .config import MCDConfig
-from .data import IMAGE_SHAPE, cache_root, load_fashion_mnist, load_ood, transductive_split
+from .data import cache_root, load_id, load_ood, transductive_split
 from .losses import discrepancy_score, msp_score
 from .metrics import METRIC_KEYS, ood_metrics
 from .models import TwoHeadNet, build_model
@@ -29,10 +29,16 @@ from .train import finetune, predict_logits, pretrain, set_seed
 __all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown"]
 
 
-def id_accuracy(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch.Tensor) -> float:
-    """Accuracy (fraction) of the two heads' mean softmax, argmax_k (p1_k + p2_k) / 2, on ID data."""
-    pred = (logits1.softmax(1) + logits2.softmax(1)).argmax(1)
-    return float((pred == targets).float().mean())
+def id_accuracy(logits1: torch.Tensor, targets: torch.Tensor) -> float:
+    """Classification accuracy (fraction) of F1 on ID data.
+
+    F1 is the network's classifier: in the official Step A only F1's cross-entropy reaches G
+    (F2 sees detached features), and Step B pushes F2 to be confident on unlabeled data.
+
+    Shapes:
+        logits1: ``(N, K)``; targets: ``(N,)``.
+    """
+    return float((logits1.argmax(1) == targets).float().mean())
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -44,7 +50,8 @@ def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: 
                      progress: bool = True, quiet: bool = False) -> TwoHeadNet:
     """The pre-trained network for ``cfg``: loaded from the cache if there, else trained and cached."""
     path = cache_root() / "checkpoints" / f"pretrain-{cfg.model}-{cfg.pretrain_key()}.pt"
-    model = build_model(cfg.model, IMAGE_SHAPE[0], 10, cfg.norm)
+    in_channels, num_classes = x.shape[1], int(y.max()) + 1
+    model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
     if path.exists() and not retrain:
         try:
             model.load_state_dict(load_checkpoint(path, required=("model",))["model"])
@@ -53,7 +60,7 @@ def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: 
         except CorruptCheckpointError as err:
             _log(f"{err} Training again.", quiet)
     set_seed(cfg.seed)
-    model = build_model(cfg.model, IMAGE_SHAPE[0], 10, cfg.norm)
+    model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
     t0 = time.time()
     losses = pretrain(model, x, y, cfg, progress=progress)
     _log(f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
@@ -100,19 +107,19 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg.to_dict())
-    x_train, y_train = load_fashion_mnist(train=True)
-    x_test, y_test = load_fashion_mnist(train=False)
+    x_train, y_train = load_id(cfg.id_dataset, train=True)
+    x_test, y_test = load_id(cfg.id_dataset, train=False)
     base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet)
 
     rows: list[dict] = []
     for ood in cfg.ood_sets:
-        split = transductive_split(x_test, y_test, load_ood(ood, cfg.ood_size, cfg.seed),
+        split = transductive_split(x_test, y_test, load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset),
                                    cfg.n_val, cfg.split_seed)
         # ---- MSP baseline on the pre-trained network (F1's softmax) ----
-        l1_id, l2_id = predict_logits(base, split.test_id_x, cfg.eval_batch_size, cfg.device)
+        l1_id, _ = predict_logits(base, split.test_id_x, cfg.eval_batch_size, cfg.device)
         l1_ood, _ = predict_logits(base, split.test_ood_x, cfg.eval_batch_size, cfg.device)
         msp = (msp_score(l1_id), msp_score(l1_ood))
-        rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, l2_id, split.test_id_y)))
+        rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, split.test_id_y)))
         panels, curves = {"MSP (pre-trained)": msp}, {"MSP (pre-trained)": msp}
         # ---- MCD fine-tuning, once per strategy, from the same weights and seed ----
         for strategy in cfg.strategies:
@@ -128,7 +135,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
             l1_ood, l2_ood = predict_logits(model, split.test_ood_x, cfg.eval_batch_size, cfg.device)
             mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
             m = ood_metrics(*mcd)
-            rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, l2_id, split.test_id_y),
+            rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, split.test_id_y),
                              best_val_auroc=max(hist.val_auroc), finetune_seconds=round(seconds, 1)))
             panels[f"MCD ({strategy})"] = curves[f"MCD ({strategy})"] = mcd
             _log(f"{ood:>12} | mcd {strategy:>8} | AUROC {100 * m['auroc']:6.2f}% | FPR95 "
