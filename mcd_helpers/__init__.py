@@ -4,6 +4,8 @@ Yu & Aizawa, "Unsupervised Out-of-Distribution Detection by Maximum Classifier D
 ICCV 2019 (arXiv 1908.04951).
 """
 from . import data, losses, metrics, models
+from .compare import compare_strategies
+from .graphs import draw_graph  # torchviz itself is imported on the first drawing
 from .losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
 from .metrics import ood_metrics
 from .models import TwoHeadNet, densenet_bc_100, small_cnn, wrn_28_10
@@ -11,4 +13,4 @@ from .models import TwoHeadNet, densenet_bc_100, small_cnn, wrn_28_10
 __version__ = "0.1.0"
 __all__ = ["data", "losses", "metrics", "models", "TwoHeadNet", "small_cnn", "densenet_bc_100",
            "wrn_28_10", "entropy", "supervised_loss", "discrepancy_loss", "discrepancy_score",
-           "ood_metrics"]
+           "ood_metrics", "compare_strategies", "draw_graph"]

@@ -1,0 +1,287 @@
+"""Unit tests behind the prose claims of notebooks 01-03 (each named after its notebook section).
+
+Claims about compare_strategies, BatchNorm statistics, coupling, dropout and cost live in
+test_compare.py; claims about graphs and draw_graph in test_graphs.py.
+"""
+import copy
+import gc
+import itertools
+import math
+import weakref
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from mcd_helpers import discrepancy_loss, discrepancy_score, entropy, small_cnn, supervised_loss
+from mcd_helpers.data import infinite_loader
+from mcd_helpers.graphs import graph_stats
+from mcd_helpers.train import step_b_loss
+from tiny_models import MLPTwoHead, TinyTwoHead
+
+
+# ---------------------------------------------------------------------------------------------
+# 01: the two-head model and the losses
+# ---------------------------------------------------------------------------------------------
+
+def test_01_small_cnn_shapes_and_shared_features():
+    model = small_cnn().eval()
+    x = torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        feat = model.G(x)
+        l1, l2 = model(x)
+    assert feat.shape == (8, 128) and l1.shape == l2.shape == (8, 10)
+    torch.testing.assert_close(l1, model.F1(feat), rtol=0, atol=0)
+    torch.testing.assert_close(l2, model.F2(feat), rtol=0, atol=0)
+
+
+def test_01_small_cnn_parameter_count_by_hand():
+    w = 32
+    convs = [(1, w), (w, 2 * w), (2 * w, 4 * w)]
+    by_hand = sum(ci * co * 9 + 2 * co for ci, co in convs)  # conv (no bias before BN) + BN weight/bias
+    by_hand += (4 * w) * 128 + 128 + 2 * (128 * 10 + 10)  # Linear to 128 features, two heads
+    assert by_hand == 111_988
+    assert sum(p.numel() for p in small_cnn().parameters()) == by_hand
+
+
+def _np_entropy(logits):
+    z = logits - logits.max(axis=1, keepdims=True)
+    p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
+    return -(p * np.log(np.clip(p, 1e-300, None))).sum(axis=1)
+
+
+@pytest.mark.parametrize("k", [2, 10, 100])
+def test_01_entropy_uniform_is_log_k_and_bounded(k):
+    assert entropy(torch.zeros(1, k)).item() == pytest.approx(math.log(k), abs=1e-6)
+    assert entropy(torch.tensor([[30.0] + [0.0] * (k - 1)])).item() < 1e-9
+    logits = 5 * torch.randn(500, k, dtype=torch.float64)
+    h = entropy(logits)
+    np.testing.assert_allclose(h.numpy(), _np_entropy(logits.numpy()), atol=1e-10)
+    assert (h >= 0).all() and (h <= math.log(k) + 1e-9).all()
+
+
+def _pair_with_gap(gap, k=10):
+    """F1 uniform and F2 = t * e_0 with t solved (bisection) so that H(F1) - H(F2) = gap."""
+    lo, hi = 0.0, 60.0
+    for _ in range(100):
+        t = (lo + hi) / 2
+        z = np.zeros((1, k))
+        z[0, 0] = t
+        lo, hi = (t, hi) if math.log(k) - _np_entropy(z)[0] < gap else (lo, t)
+    l2 = torch.zeros(1, k, dtype=torch.float64)
+    l2[0, 0] = t
+    return torch.zeros(1, k, dtype=torch.float64), l2
+
+
+@pytest.mark.parametrize("gap, expected", [(0.0, 1.2), (0.5, 0.7), (2.0, 0.0)])
+def test_01_hinge_worked_numbers(gap, expected):
+    assert discrepancy_loss(*_pair_with_gap(gap), margin=1.2).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_01_no_gradient_beyond_the_margin_and_mean_before_hinge():
+    l1, l2 = _pair_with_gap(2.0)
+    l2.requires_grad_(True)
+    discrepancy_loss(l1, l2, margin=1.2).backward()
+    assert l2.grad.abs().max().item() == 0.0
+    a, b = _pair_with_gap(2.0), _pair_with_gap(0.2)
+    both = discrepancy_loss(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), margin=1.2).item()
+    assert both == pytest.approx(1.2 - 1.1, abs=1e-6)  # mean gap 1.1, then the hinge
+    per_sample_hinges = (0.0 + 1.0) / 2  # what hinge-then-mean would give
+    assert abs(both - per_sample_hinges) > 0.3
+
+
+def test_01_discrepancy_score_values_and_range():
+    k = 10
+    a = torch.tensor([[40.0] + [0.0] * (k - 1)])
+    b = torch.tensor([[0.0, 40.0] + [0.0] * (k - 2)])
+    assert discrepancy_score(a, a).item() == 0.0
+    assert discrepancy_score(torch.zeros(1, k), a).item() == pytest.approx(2 - 2 / k, abs=1e-6)
+    assert discrepancy_score(a, b).item() == pytest.approx(2.0, abs=1e-6)
+    s = discrepancy_score(8 * torch.randn(5000, k, dtype=torch.float64), 8 * torch.randn(5000, k, dtype=torch.float64))
+    assert s.min() >= 0 and s.max() <= 2 + 1e-12
+
+
+def test_01_at_initialisation_heads_are_near_uniform():
+    torch.manual_seed(0)
+    model = small_cnn().eval()
+    with torch.no_grad():
+        l1, l2 = model(torch.randn(16, 1, 28, 28))
+    assert (entropy(l1) > math.log(10) - 0.2).all() and (entropy(l2) > math.log(10) - 0.2).all()
+    assert discrepancy_loss(l1, l2).item() == pytest.approx(1.2, abs=0.1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 02: loaders, loops, rounding, loss weighting, in-place trap
+# ---------------------------------------------------------------------------------------------
+
+def _toy_loader():
+    return DataLoader(TensorDataset(torch.arange(6)), batch_size=2, shuffle=True,
+                      generator=torch.Generator().manual_seed(0))
+
+
+def test_02_dataloader_is_not_subscriptable():
+    with pytest.raises(TypeError, match="not subscriptable"):
+        _toy_loader()[0]
+
+
+def _passes(it, n_pass=3, per_pass=3):
+    return [[next(it)[0].tolist() for _ in range(per_pass)] for _ in range(n_pass)]
+
+
+def test_02_cycle_replays_the_first_pass_infinite_loader_reshuffles():
+    cyc = _passes(itertools.cycle(_toy_loader()))
+    assert cyc[0] == cyc[1] == cyc[2]
+    inf = _passes(infinite_loader(_toy_loader()))
+    assert inf[0] != inf[1] and inf[1] != inf[2]
+    for p in inf:  # every pass is a permutation of the data
+        assert sorted(v for batch in p for v in batch) == list(range(6))
+
+
+def _kept_alive(it, n=3):
+    refs = [weakref.ref(next(it)[0]) for _ in range(n)]
+    gc.collect()
+    return sum(r() is not None for r in refs)
+
+
+def test_02_cycle_holds_the_first_pass_in_memory():
+    assert _kept_alive(itertools.cycle(_toy_loader())) == 3
+    assert _kept_alive(infinite_loader(_toy_loader())) <= 1
+
+
+def test_02_zip_stops_at_the_shorter_loader():
+    long_, short = DataLoader(TensorDataset(torch.arange(10)), batch_size=2), DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
+    assert len(list(zip(long_, short))) == 2
+    assert len(list(zip(long_, infinite_loader(short)))) == 5
+
+
+def _train(model, batches, concat, lr=0.05):
+    """Both corrected seed loops, written independently of mcd_helpers.train."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for x_s, y_s, x_u in batches:
+        if concat:
+            n = len(x_s)
+            o1, o2 = model(torch.cat([x_s, x_u]))
+            loss = supervised_loss(o1[:n], o2[:n], y_s) + discrepancy_loss(o1[n:], o2[n:])
+        else:
+            loss = supervised_loss(*model(x_s), y_s) + discrepancy_loss(*model(x_u))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("norm, equal", [("none", True), ("group", True), ("batch", False)])
+def test_02_corrected_loops_train_the_same_model_iff_no_coupling(norm, equal):
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g),
+                torch.randn(3, 1, 6, 6, generator=g, dtype=torch.float64)) for _ in range(3)]
+    start = TinyTwoHead(norm).double()
+    a, b = _train(copy.deepcopy(start), batches, True), _train(copy.deepcopy(start), batches, False)
+    diff = max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+    assert (diff < 1e-12) if equal else (diff > 1e-6)
+
+
+def test_02_concat_loop_loss_is_step_b_concat():
+    model = MLPTwoHead().double()
+    x_s, y_s, x_u = torch.randn(4, 12, dtype=torch.float64), torch.tensor([0, 1, 2, 3]), torch.randn(3, 12, dtype=torch.float64)
+    o1, o2 = copy.deepcopy(model)(torch.cat([x_s, x_u]))
+    by_hand = supervised_loss(o1[:4], o2[:4], y_s) + discrepancy_loss(o1[4:], o2[4:])
+    assert step_b_loss(copy.deepcopy(model), x_s, y_s, x_u, "concat")[0].item() == pytest.approx(by_hand.item(), abs=1e-12)
+
+
+def test_02_float32_addition_is_not_associative_float64_is_tighter():
+    v = torch.randn(100_000, generator=torch.Generator().manual_seed(0))
+    d32 = (v.sum() - (v[:30_000].sum() + v[30_000:].sum())).abs().item()
+    v64 = v.double()
+    d64 = (v64.sum() - (v64[:30_000].sum() + v64[30_000:].sum())).abs().item()
+    assert d32 > 0 and d64 < 1e-10 and d64 < d32
+
+
+def test_02_one_mean_over_a_concatenation_weights_parts_by_size():
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(64, 10, generator=g, dtype=torch.float64), torch.randint(0, 10, (64,), generator=g)
+    n_a = 48
+    ce_a, ce_b = F.cross_entropy(logits[:n_a], y[:n_a]), F.cross_entropy(logits[n_a:], y[n_a:])
+    ce_cat = F.cross_entropy(logits, y)
+    assert ce_cat.item() == pytest.approx((n_a * ce_a.item() + 16 * ce_b.item()) / 64, abs=1e-12)
+    # Per-sample weights by autograd: 1/64 in the concatenated mean; 1/48 and 1/16 in CE_A + CE_B.
+    lg = logits.clone().requires_grad_(True)
+    (F.cross_entropy(lg[:n_a], y[:n_a]) + F.cross_entropy(lg[n_a:], y[n_a:])).backward()
+    lg2 = logits.clone().requires_grad_(True)
+    F.cross_entropy(lg2, y).backward()
+    torch.testing.assert_close(lg.grad[n_a:], 4 * lg2.grad[n_a:])  # B samples: (1/16) / (1/64)
+    torch.testing.assert_close(lg.grad[:n_a], (64 / 48) * lg2.grad[:n_a])
+
+
+def test_02_optimizer_step_between_forward_and_backward_raises():
+    torch.manual_seed(0)
+    model = TinyTwoHead()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x_s, y_s, x_u = torch.randn(3, 1, 4, 4), torch.tensor([0, 1, 2]), torch.randn(2, 1, 4, 4)
+    loss_sup, loss_unsup = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    loss_sup.backward(retain_graph=True)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss_unsup.backward()
+
+
+def test_02_backward_twice_through_a_shared_graph_raises():
+    model = TinyTwoHead()
+    x_s, y_s, x_u = torch.randn(3, 1, 4, 4), torch.tensor([0, 1, 2]), torch.randn(2, 1, 4, 4)
+    loss_sup, loss_unsup = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    loss_sup.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        (loss_sup + loss_unsup).backward()
+
+
+# ---------------------------------------------------------------------------------------------
+# 03: gradients add up
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm", ["none", "batch"])
+def test_03_gradients_of_separate_parts_add_up_even_with_batchnorm(norm):
+    torch.manual_seed(0)
+    model = TinyTwoHead(norm).double()
+    x_s, y_s, x_u = torch.randn(4, 1, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0]), torch.randn(3, 1, 4, 4, dtype=torch.float64)
+    params = list(model.parameters())
+    ls, lu = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    gs = torch.autograd.grad(ls, params, retain_graph=True)
+    gu = torch.autograd.grad(lu, params, retain_graph=True)
+    gt = torch.autograd.grad(ls + lu, params)
+    for a, b, t in zip(gs, gu, gt):
+        torch.testing.assert_close(a + b, t, rtol=0, atol=1e-12)
+    # Two backwards, no retain_graph: the subgraphs share only leaves; .grad accumulates the sum.
+    model.zero_grad(set_to_none=True)
+    ls, lu = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    ls.backward()
+    lu.backward()
+    for p, t in zip(params, gt):
+        torch.testing.assert_close(p.grad, t, rtol=0, atol=1e-12)
+    # ...but the concatenated forward is a different function when BatchNorm is in train mode.
+    gc_ = torch.autograd.grad(step_b_loss(model, x_s, y_s, x_u, "concat")[0], params)
+    gap = max((c - t).abs().max().item() for c, t in zip(gc_, gt))
+    assert (gap > 1e-6) if norm == "batch" else (gap < 1e-12)
+
+
+def test_03_tiny_graph_node_counts():
+    from mcd_helpers import TwoHeadNet
+    tiny = TwoHeadNet(nn.Sequential(nn.Flatten(), nn.Linear(4, 3), nn.ReLU()), 3, 2, 1)
+    x_s, y_s, x_u = torch.randn(3, 1, 2, 2), torch.tensor([0, 1, 1]), torch.randn(2, 1, 2, 2)
+    sep = graph_stats(step_b_loss(tiny, x_s, y_s, x_u, "separate")[0])["by_type"]
+    cat = graph_stats(step_b_loss(tiny, x_s, y_s, x_u, "concat")[0])["by_type"]
+    # three Linear layers (G, F1, F2): once per forward
+    assert sep["AddmmBackward0"] == 6 and cat["AddmmBackward0"] == 3
+    assert cat["SliceBackward0"] == 4  # (labeled, unlabeled) rows of each of the two heads
+
+
+def test_03_densenet_graph_has_two_batchnorm_nodes_per_layer_with_separate_forwards():
+    from mcd_helpers import densenet_bc_100
+    model = densenet_bc_100(in_channels=1, num_classes=3)
+    x = torch.randn(2, 1, 8, 8)
+    stats = graph_stats(step_b_loss(model, x, torch.tensor([0, 1]), x, "separate")[0])
+    bn_nodes = sum(n for name, n in stats["by_type"].items() if "BatchNormBackward" in name)
+    assert bn_nodes == 2 * sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert stats["leaves"] == sum(1 for _ in model.parameters())
