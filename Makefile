@@ -7,7 +7,10 @@ PY     := $(VENV)/bin/python
 APT_PACKAGES := graphviz dataset-fashion-mnist
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: demo test lab system-deps notebooks-html clean
+# Notebooks that `make demo` executes (quick mode) into build/notebooks/ as .ipynb and .html.
+DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
+
+.PHONY: demo test lab system-deps notebooks clean
 
 $(VENV)/.core: pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
@@ -34,12 +37,21 @@ system-deps:
 
 demo: system-deps $(VENV)/.core
 	$(PY) -m mcd_helpers reproduce --preset quick --out runs/demo
+	$(MAKE) --no-print-directory notebooks NOTEBOOKS="$(DEMO_NOTEBOOKS)"
+	@echo; echo "Results: runs/demo/results.md (table above), plots in runs/demo/; executed notebooks in build/notebooks/"
+
+# Execute notebooks headless in quick mode; executed copies and HTML go to build/notebooks/.
+NOTEBOOKS ?= $(wildcard notebooks/*.ipynb)
+notebooks: $(VENV)/.core
+	@mkdir -p build/notebooks
+	MCD_QUICK=1 $(VENV)/bin/jupyter nbconvert --log-level WARN --to notebook --execute --ExecutePreprocessor.timeout=900 --output-dir build/notebooks $(NOTEBOOKS)
+	$(VENV)/bin/jupyter nbconvert --log-level WARN --to html $(addprefix build/notebooks/,$(notdir $(NOTEBOOKS)))
 
 test: system-deps $(VENV)/.dev
 	$(PY) -m pytest -ra
 
 lab: system-deps $(VENV)/.core
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) notebooks/
 
 clean:
 	rm -rf build runs .pytest_cache
