@@ -122,11 +122,14 @@ def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return normalize(x), ds.targets.long()
 
 
-ID_DATASETS = ("fashion_mnist",)
+ID_DATASETS = ("fashion_mnist", "cifar10", "cifar100")
 
 
 def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An ID data set by name as normalised tensors ``x: (N, C, H, W)``, ``y: (N,)``.
+
+    ``fashion_mnist``: ``(N, 1, 28, 28)``; ``cifar10``/``cifar100``: ``(N, 3, 32, 32)``
+    (:func:`mcd_helpers.cifar.load_cifar`).
 
     Raises:
         ValueError: on an unknown name.
@@ -134,6 +137,10 @@ def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """
     if name == "fashion_mnist":
         return load_fashion_mnist(train)
+    if name in ("cifar10", "cifar100"):
+        from .cifar import load_cifar
+
+        return load_cifar(name, train)
     raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
 
 
@@ -181,7 +188,9 @@ def _mnist() -> torch.Tensor:
 
 
 def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
-    """An OOD set as a tensor ``(N, 1, 28, 28)`` float32, normalised like the ID set ``id_dataset``.
+    """An OOD set as a tensor ``(N, C, H, W)`` float32, normalised like the ID set ``id_dataset``.
+
+    For ``id_dataset="fashion_mnist"``, ``(N, 1, 28, 28)``:
 
     Args:
         name: one of ``digits`` (N = 1,797 always), ``photo_crops``, ``gaussian``, ``uniform``
@@ -189,12 +198,22 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
         n: size of the generated sets (ODIN uses 10,000).
         seed: seed of the generated sets.
 
+    For ``cifar10``/``cifar100``, ``(N, 3, 32, 32)``: ODIN's folders ``Imagenet``,
+    ``Imagenet_resize``, ``LSUN``, ``LSUN_resize``, ``iSUN`` or noise ``gaussian``, ``uniform``
+    (:func:`mcd_helpers.cifar.load_cifar_ood`).
+
     Raises:
         ValueError: on an unknown name or ``n < 1``.
-        DataNotFoundError: for ``mnist`` when it is neither on disk nor downloadable.
+        DataNotFoundError: for ``mnist`` or an ODIN folder when it is neither on disk nor
+            downloadable (:class:`mcd_helpers.cifar.ChecksumError` for a corrupt archive).
     """
+    if id_dataset in ("cifar10", "cifar100"):
+        from .cifar import load_cifar_ood
+
+        return load_cifar_ood(name, n, seed)
     if id_dataset != "fashion_mnist":
-        raise ValueError(f"no OOD sets defined for ID data set {id_dataset!r}; known: fashion_mnist.")
+        raise ValueError(f"no OOD sets defined for ID data set {id_dataset!r}; "
+                         "known: fashion_mnist, cifar10, cifar100.")
     if name not in OOD_SETS:
         raise ValueError(f"unknown OOD set {name!r}; choose from {', '.join(OOD_SETS)}.")
     if n < 1:
