@@ -1,0 +1,154 @@
+"""Every notebook opened in JupyterLab in headless Chromium, run from the Run menu, and looked at.
+
+For each notebooks/*.ipynb (one test each, id = the notebook's stem), in quick mode (MCD_QUICK=1):
+Run > Run All Cells, wait for the kernel, then check what a reader would see:
+
+- no cell shows an error (the traceback output, ``application/vnd.jupyter.error``);
+- every output the kernel sent is rendered as such: widget views as ipywidgets (not the
+  "VBox(...)" text that shows when the JupyterLab widgets extension is missing), SVG (torchviz
+  graphs) as decoded images with graph nodes, PNG (matplotlib figures) as decoded images;
+- what the source promises is there: a notebook that imports ipywidgets shows widgets, and a
+  change to one of its controls (a dropdown: another option) changes an output; one that draws
+  autograd graphs shows an SVG graph; one that uses matplotlib shows a figure.
+
+A tall screenshot of each notebook goes to build/screenshots/NAME.png (also when a check fails)
+and the wall times to build/browser_times.json. JupyterLab serves a temporary copy of the
+notebooks (see tests/browser_lab.py), so the committed ones stay without outputs.
+
+Needs Debian's Chromium (``apt-get install chromium``; .ci/run installs it) and Playwright for
+Python (the ``dev`` extra); without them every test here is skipped, saying why.
+Environment: MCD_BROWSER_NOTEBOOKS (paths or globs, ``os.pathsep``-separated) runs other
+notebooks instead; MCD_SCREENSHOT_DIR moves the screenshots; MCD_BROWSER_TIMEOUT (seconds per
+notebook, default 480); MCD_CHROMIUM (the browser, default /usr/bin/chromium).
+"""
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from browser_lab import CHROMIUM, CHROMIUM_ARGS, ROOT, WIDGET_MIME, LabServer, browser_skip_reason, expectations
+from browser_page import NotebookPage
+
+pytestmark = pytest.mark.browser
+
+
+def _notebooks() -> list[Path]:
+    spec = os.environ.get("MCD_BROWSER_NOTEBOOKS")
+    if not spec:
+        return sorted((ROOT / "notebooks").glob("*.ipynb"))
+    return sorted({Path(p).resolve() for part in spec.split(os.pathsep) for p in glob.glob(part)})
+
+
+NOTEBOOKS = _notebooks()
+TIMEOUT_S = float(os.environ.get("MCD_BROWSER_TIMEOUT", "480"))
+SCREENSHOTS = Path(os.environ.get("MCD_SCREENSHOT_DIR", ROOT / "build" / "screenshots"))
+
+
+@pytest.fixture(scope="module")
+def lab():
+    reason = browser_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    server = LabServer(NOTEBOOKS)
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser(lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def _rendering_problems(cells: list[dict]) -> list[str]:
+    """Outputs the kernel sent (JupyterLab's model) that the page does not show as such."""
+    problems = []
+    for c in cells:
+        mimes = [m for o in c["outputs"] for m in o["mimes"]]
+        where = f"cell {c['index']} [{c['count']}]"
+        if WIDGET_MIME in mimes and not c["widgets"]:
+            problems.append(f"{where}: a widget view was sent but no ipywidgets rendered "
+                            "(is @jupyter-widgets/jupyterlab-manager enabled?)")
+        if c["widgetProblems"]:
+            problems.append(f"{where}: {c['widgetProblems'][0][:300]}")
+        if mimes.count("image/svg+xml") > sum(s["w"] > 0 for s in c["svgs"]):
+            problems.append(f"{where}: an SVG was sent but did not render as an image: {c['svgs']}")
+        if mimes.count("image/png") > sum(i["w"] > 0 for i in c["images"]):
+            problems.append(f"{where}: a PNG was sent but did not render as an image: {c['images']}")
+    return problems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_in_jupyterlab(path, lab, browser):
+    expect, committed = expectations(path), hashlib.sha256(path.read_bytes()).digest()
+    start = time.monotonic()
+    nb, checked = NotebookPage(lab, browser, path.name), False
+    try:
+        nb.open()
+        snap = nb.run_all(timeout_s=TIMEOUT_S)
+        run_s = time.monotonic() - start
+        cells = snap["cells"]
+        slow = sorted((c for c in cells if c["seconds"]), key=lambda c: -c["seconds"])[:3]
+        print(f"{path.name}: kernel time {sum(c['seconds'] or 0 for c in cells):.0f} s; slowest cells "
+              + ", ".join(f"[{c['count']}] {c['seconds']:.1f} s" for c in slow))
+        errors = [(c["index"], c["count"], e) for c in cells for e in c["errors"]]
+        assert not errors, "error output in cell {} [{}]:\n{}".format(*errors[0])
+        assert not any(o["type"] == "error" for c in cells for o in c["outputs"])
+        assert not (problems := _rendering_problems(cells)), "\n".join(problems)
+
+        svgs = [s for c in cells for s in c["svgs"]]
+        images = [i for c in cells for i in c["images"]]
+        if expect["graphs"]:
+            assert any(s["w"] > 0 and s["nodes"] > 0 for s in svgs), (
+                f"the notebook draws autograd graphs, but no SVG graph with nodes is in the page: {svgs}")
+        if expect["figures"]:
+            assert any(i["w"] > 0 and i["h"] > 0 for i in images), (
+                "the notebook uses matplotlib, but no figure image is in the page")
+        if expect["widgets"]:
+            assert sum(c["widgets"] for c in cells), "the notebook uses ipywidgets, but no widget is in the page"
+            tried = nb.change_controls(timeout_s=TIMEOUT_S)
+            print(f"{path.name}: controls changed: {tried}")
+            assert tried, "the notebook uses ipywidgets, but the page has no control to change"
+            assert any(t["updated"] for t in tried), f"changing a control updated no output: {tried}"
+            after = nb.snapshot()["cells"]
+            late = [(c["index"], e) for c in after for e in c["errors"]]
+            assert not late, "error output after changing a control, cell {}:\n{}".format(*late[0])
+        assert hashlib.sha256(path.read_bytes()).digest() == committed, (
+            f"{path} changed during the run (written back by JupyterLab, or edited meanwhile)")
+        print(f"{path.name}: open + Run All {run_s:.0f} s, {len(images)} images, {len(svgs)} SVGs, "
+              f"{sum(c['widgets'] for c in cells)} widget elements; expected {expect}; "
+              f"dialogs {nb.dialogs}; browser console errors: {nb.console_errors[:3]}")
+        checked = True
+    finally:
+        try:
+            size = nb.screenshot(SCREENSHOTS / f"{path.stem}.png")
+            print(f"screenshot {SCREENSHOTS / (path.stem + '.png')}: {size[0]}x{size[1]} px")
+        except Exception as err:  # noqa: BLE001  (a failed check already says more)
+            if checked:
+                raise
+            print(f"no screenshot of {path.name}: {err}")
+        finally:
+            nb.close()
+        _record_time(path.name, time.monotonic() - start)
+
+
+def _record_time(name: str, seconds: float):
+    times_file = ROOT / "build" / "browser_times.json"
+    times_file.parent.mkdir(exist_ok=True)
+    times = json.loads(times_file.read_text()) if times_file.exists() else {}
+    times[name] = round(seconds, 1)
+    times_file.write_text(json.dumps(times, indent=2))
