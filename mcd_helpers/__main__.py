@@ -3,17 +3,27 @@
 Examples::
 
     python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 5 minutes
+    python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
     python -m mcd_helpers reproduce --list-presets
     python -m mcd_helpers reproduce --preset quick --out runs/x --strategies concat --margin 0.8
+    python -m mcd_helpers reproduce --preset paper-cifar10-densenet --out runs/c10 \
+        --amp bf16 --channels-last --compile --data-on-device                 # GPU fast path
 
 Every field of :class:`mcd_helpers.config.MCDConfig` is a flag (``finetune_lr`` ->
-``--finetune-lr``); tuple fields take comma-separated values (``--ood-sets digits,gaussian``).
-The data root is ``$MCD_DATA_DIR`` (see :mod:`mcd_helpers.data`).
+``--finetune-lr``); tuple fields take comma-separated values (``--ood-sets digits,gaussian``),
+yes/no fields are switches (``--compile`` / ``--no-compile``). The data root is
+``$MCD_DATA_DIR`` (see :mod:`mcd_helpers.data`).
+
+Interrupted runs: checkpoints are written every ``--checkpoint-every`` steps and at every epoch
+end; SIGTERM (``kill``, a batch scheduler's time limit) saves one at once and exits with 143.
+``--resume`` with the same ``--out`` and settings continues; the results equal those of an
+uninterrupted run (exactly on the CPU).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import typing
 from pathlib import Path
@@ -49,6 +59,13 @@ _FIELD_HELP = {
     "eval_batch_size": "batch size for evaluation",
     "device": "torch device, e.g. cpu or cuda",
     "num_threads": "CPU threads for PyTorch (0 = its default)",
+    "train_subset": "use only the first N ID training images (0 = all); for fast tests",
+    "test_subset": "use only the first N ID test images, before the transductive split (0 = all); for fast tests",
+    "checkpoint_every": "training steps between checkpoints, also written at every epoch end (0 = epoch ends only)",
+    "amp": "mixed precision: none or bf16 (bfloat16 autocast; GPU fast path)",
+    "channels_last": "channels-last (NHWC) memory format for model and batches (GPU fast path)",
+    "compile": "torch.compile the feature extractor G, one graph per batch shape (GPU fast path)",
+    "data_on_device": "hold the whole data set on the device and gather batches there (GPU fast path)",
 }
 
 
@@ -70,19 +87,38 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--list-presets", action="store_true", help="show the presets and exit")
     rep.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
     rep.add_argument("--retrain", action="store_true", help="pre-train again even if a cached network exists")
+    rep.add_argument("--resume", action="store_true",
+                     help="continue an interrupted run in --out from its last checkpoints (finished stages "
+                     "are not redone); the settings must be those of the interrupted run")
     rep.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     hints = typing.get_type_hints(MCDConfig)
     for f in dataclasses.fields(MCDConfig):
         if f.name == "extra":
             continue
         hint = hints[f.name]
+        flag, text = "--" + f.name.replace("_", "-"), _FIELD_HELP.get(f.name, f.name)
+        if hint is bool:  # a switch: --compile / --no-compile
+            rep.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=f.name,
+                             help=f"{text} (default: from the preset; base {'on' if f.default else 'off'})")
+            continue
         if typing.get_origin(hint) is tuple:
             kind, default = _parse_tuple(typing.get_args(hint)[0]), ",".join(map(str, f.default))
         else:
             kind, default = hint, f.default
-        rep.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None, dest=f.name,
-                         help=f"{_FIELD_HELP.get(f.name, f.name)} (default: from the preset; base {default})")
+        rep.add_argument(flag, type=kind, default=None, dest=f.name,
+                         help=f"{text} (default: from the preset; base {default})")
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> MCDConfig:
+    """The preset ``args.preset`` with every flag that was given applied.
+
+    Raises:
+        KeyError: on an unknown preset; ValueError: on a bad field value (from :class:`MCDConfig`).
+    """
+    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
+                 if f.name != "extra" and getattr(args, f.name) is not None}
+    return get_preset(args.preset, **overrides)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,16 +133,27 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --out DIR is required (the folder for results.json, results.md and plots)",
               file=sys.stderr)
         return 2
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
-                 if f.name != "extra" and getattr(args, f.name) is not None}
     try:
-        cfg = get_preset(args.preset, **overrides)
+        cfg = config_from_args(args)
     except (KeyError, ValueError) as err:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
+    from .checkpoint import CorruptCheckpointError
     from .reproduce import run_reproduction
+    from .engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
-    run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet)
+    try:
+        run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
+                         resume=args.resume)
+    except TrainingInterrupted as err:
+        print(f"interrupted: {err} Continue with the same command and --resume.", file=sys.stderr)
+        return 128 + signal.SIGTERM  # 143, what a process killed by SIGTERM reports
+    except (NonFiniteLossError, CorruptCheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except CheckpointMismatchError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     if not args.quiet:
         print((args.out / "results.md").read_text())
     return 0

@@ -1,21 +1,30 @@
-"""Checkpoints and result files written atomically: a temporary file in the same folder, then rename.
+"""Checkpoints and result files written atomically, kept in pairs, with the RNG states to resume exactly.
 
-A run killed mid-write leaves the previous file intact (``os.replace`` is atomic on POSIX), so
-nothing is ever half-written. Loading checks that the file is a complete checkpoint and says which
-file is broken and what to do.
+* Atomic writes: a temporary file in the same folder, ``fsync``, then ``os.replace`` (atomic on
+  POSIX). A run killed mid-write leaves the previous file intact, so nothing is half-written.
+* :class:`RollingCheckpoint`: a training stage's folder holding ``last.pt`` and the one before
+  it, ``last.prev.pt``. Loading tries ``last.pt`` first; a file cut short (a full disk, a copy
+  interrupted, a file system without atomic rename) is reported with its name and the previous
+  one is used.
+* :func:`rng_state` / :func:`set_rng_state`: Python's, NumPy's, PyTorch's CPU and CUDA generators,
+  so that anything random after a resume (dropout masks, say) is what it would have been.
 """
 from __future__ import annotations
 
 import json
 import os
+import random
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "save_checkpoint",
-           "load_checkpoint", "CorruptCheckpointError"]
+           "load_checkpoint", "CorruptCheckpointError", "RollingCheckpoint", "rng_state",
+           "set_rng_state"]
 
 
 class CorruptCheckpointError(RuntimeError):
@@ -84,3 +93,84 @@ def load_checkpoint(path: Path, required: tuple[str, ...] = ()) -> dict:
         raise CorruptCheckpointError(f"checkpoint {path} lacks {missing}; it was written by another "
                                      "program or version. Delete it to start that stage again.")
     return state
+
+
+class RollingCheckpoint:
+    """The checkpoints of one training stage: ``DIR/last.pt`` and the previous one, ``DIR/last.prev.pt``.
+
+    :meth:`save` moves ``last.pt`` to ``last.prev.pt`` (a rename), then writes the new
+    ``last.pt`` atomically; at every instant at least one complete checkpoint is on disk.
+    :meth:`load` returns the newest readable one.
+
+    Args:
+        folder: the stage's folder (created on the first save).
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.last = self.folder / "last.pt"
+        self.prev = self.folder / "last.prev.pt"
+        self.broken = self.folder / "last.broken.pt"
+
+    def __repr__(self) -> str:
+        return f"RollingCheckpoint({str(self.folder)!r})"
+
+    def save(self, state: dict) -> None:
+        """Keep the current ``last.pt`` as ``last.prev.pt`` and write ``state`` as ``last.pt``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.last.exists():
+            os.replace(self.last, self.prev)
+        save_checkpoint(self.last, state)
+
+    def load(self, required: tuple[str, ...] = ()) -> dict | None:
+        """The newest readable checkpoint of the stage, or ``None`` when there is none.
+
+        A ``last.pt`` that cannot be read is reported with a :class:`UserWarning` naming the file
+        and the reason, moved aside to ``last.broken.pt``, and ``last.prev.pt`` is used instead.
+
+        Raises:
+            CorruptCheckpointError: if checkpoint files exist but none can be read (the message
+                names both; delete the folder to start the stage again).
+        """
+        errors = []
+        for path in (self.last, self.prev):
+            if not path.exists():
+                continue
+            try:
+                state = load_checkpoint(path, required)
+            except CorruptCheckpointError as err:
+                errors.append(str(err))
+                continue
+            if errors:  # keep the broken file aside, so that the next save does not rotate it in
+                os.replace(self.last, self.broken)
+                reason = errors[0].split(" Delete it")[0]  # the error without its advice
+                warnings.warn(f"{reason} Using the previous checkpoint {path} instead (the broken file is "
+                              f"kept as {self.broken}).", stacklevel=2)
+            return state
+        if errors:
+            raise CorruptCheckpointError(" ".join(errors) + f" No readable checkpoint is left in {self.folder}: "
+                                         "delete that folder to start the stage again.")
+        return None
+
+    def clear(self) -> None:
+        """Delete the stage's checkpoint files (after its final result is safely written)."""
+        for path in (self.last, self.prev, self.broken):
+            path.unlink(missing_ok=True)
+        if self.folder.exists() and not any(self.folder.iterdir()):
+            self.folder.rmdir()
+
+
+def rng_state() -> dict:
+    """The states of Python's, NumPy's and PyTorch's global generators (CUDA when initialised)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    return {"python": random.getstate(), "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if cuda else None}
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore generator states saved by :func:`rng_state` (CUDA only when saved and available)."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

@@ -12,10 +12,15 @@ from dataclasses import dataclass, field
 
 from .data import OFFLINE_OOD_SETS
 
-__all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES"]
+__all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS"]
 
 STRATEGIES = ("separate", "concat")
 SCHEDULES = ("official", "step_b")
+AMP_MODES = ("none", "bf16")
+# Fields that say how to run, not what to compute: they may change between an interrupted run and
+# its resume. (On CPU they leave the numbers unchanged; on a GPU they change them only by rounding.)
+RUN_FIELDS = ("device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
+              "compile", "data_on_device", "extra", "ood_sets", "strategies")
 
 
 @dataclass
@@ -28,6 +33,8 @@ class MCDConfig:
     ood_size: int = 10_000  # size of the generated OOD sets (ODIN's 10,000)
     n_val: int = 1000  # validation samples of each of ID and OOD (official loader)
     split_seed: int = 3  # official loader: np.random.seed(3)
+    train_subset: int = 0  # 0 = every ID training image; N > 0 = the first N (fast tests and demos)
+    test_subset: int = 0  # 0 = the whole ID test set; N > 0 = its first N, before the split (fast tests)
 
     # --- model ---
     model: str = "small_cnn"  # small_cnn | densenet_bc_100 | wrn_28_10
@@ -58,6 +65,14 @@ class MCDConfig:
     eval_batch_size: int = 1000
     device: str = "cpu"
     num_threads: int = 0  # 0 = PyTorch's default
+    checkpoint_every: int = 50  # steps between checkpoints (and at every epoch end); 0 = epoch ends only.
+    # A small_cnn checkpoint costs a few ms, so 50 steps keep it well under 1% of the run.
+
+    # --- fast path (GPU): all off by default; on CPU they bring little or nothing ---
+    amp: str = "none"  # "bf16": bfloat16 autocast; bf16 has float32's range, so no loss scaling
+    channels_last: bool = False  # NHWC memory format for model and batches (faster convs on tensor cores)
+    compile: bool = False  # torch.compile the feature extractor G (dynamic=False: one graph per batch shape)
+    data_on_device: bool = False  # hold the whole data set on the device; batches are gathered there
 
     extra: dict = field(default_factory=dict)  # free-form notes stored with the results
 
@@ -75,6 +90,11 @@ class MCDConfig:
             (self.margin >= 0, f"margin must be >= 0 nats, got {self.margin}"),
             (min(self.batch_size_sup, self.batch_size_unsup, self.pretrain_batch_size) > 0,
              "batch sizes must be positive"),
+            (self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}, got {self.amp!r}"),
+            (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps (0 = epoch ends only), "
+                                         f"got {self.checkpoint_every}"),
+            (self.train_subset >= 0, f"train_subset must be >= 0 (0 = all training images), got {self.train_subset}"),
+            (self.test_subset >= 0, f"test_subset must be >= 0 (0 = the whole test set), got {self.test_subset}"),
         ]
         for ok, msg in checks:
             if not ok:
@@ -90,5 +110,16 @@ class MCDConfig:
         """Short hash of everything that determines the pre-trained network (its cache key)."""
         keys = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
                 "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed")
-        blob = json.dumps({k: getattr(self, k) for k in keys}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+        blob = {k: getattr(self, k) for k in keys}
+        # Fields added later enter only when set, so networks cached before keep their keys.
+        blob.update({k: getattr(self, k) for k, off in (("train_subset", 0), ("amp", "none")) if getattr(self, k) != off})
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
+
+    def training_key(self) -> str:
+        """Short hash of every field that changes what a fine-tuning stage computes.
+
+        Leaves out :data:`RUN_FIELDS` (device, threads, checkpoint interval, the GPU speed options,
+        the lists of OOD sets and strategies), so a run may be resumed with those changed.
+        """
+        blob = {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
+        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]

@@ -7,17 +7,19 @@
    one MCD fine-tuning per strategy, each from the same pre-trained weights and seed.
 3. Evaluate on the test split and write ``results.json`` (atomically), ``results.md`` and, per
    OOD set, ``hist_<ood>.png`` (score histograms) and ``roc_<ood>.png`` (ROC curves).
+
+Every training stage checkpoints into ``<out>/checkpoints/`` (:mod:`mcd_helpers.train`), so an
+interrupted run continues with ``resume=True`` (CLI: ``--resume``) and ends with the same numbers.
 """
 from __future__ import annotations
 
-import copy
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from .checkpoint import (CorruptCheckpointError, atomic_write_json, atomic_write_text,
+from .checkpoint import (CorruptCheckpointError, RollingCheckpoint, atomic_write_json, atomic_write_text,
                          load_checkpoint, save_checkpoint)
 from .config import MCDConfig
 from .data import cache_root, load_id, load_ood, transductive_split
@@ -26,7 +28,9 @@ from .metrics import METRIC_KEYS, ood_metrics
 from .models import TwoHeadNet, build_model
 from .train import finetune, predict_logits, pretrain, set_seed
 
-__all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown"]
+__all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown", "load_results"]
+
+_ID_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
 
 
 def id_accuracy(logits1: torch.Tensor, targets: torch.Tensor) -> float:
@@ -46,9 +50,25 @@ def _log(msg: str, quiet: bool) -> None:
         print(msg, flush=True)
 
 
+def _fresh_copy(cfg: MCDConfig, model: TwoHeadNet) -> TwoHeadNet:
+    """A plain (uncompiled, CPU) model of ``cfg.model`` holding ``model``'s weights and buffers."""
+    fresh = build_model(cfg.model, model.in_channels, model.num_classes, cfg.norm)
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
 def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: bool = False,
-                     progress: bool = True, quiet: bool = False) -> TwoHeadNet:
-    """The pre-trained network for ``cfg``: loaded from the cache if there, else trained and cached."""
+                     progress: bool = True, quiet: bool = False, checkpoint_dir: Path | None = None,
+                     resume: bool = False) -> TwoHeadNet:
+    """The pre-trained network for ``cfg``: loaded from the cache if there, else trained and cached.
+
+    The cache file is ``<cache root>/checkpoints/pretrain-<model>-<cfg.pretrain_key()>.pt``.
+    While training, checkpoints go to ``checkpoint_dir`` (when given); ``resume=True`` continues
+    from them. Returns a plain model on the CPU (not compiled), whatever ``cfg``'s fast path.
+
+    Raises:
+        NonFiniteLossError, TrainingInterrupted: from :func:`~mcd_helpers.train.pretrain`.
+    """
     path = cache_root() / "checkpoints" / f"pretrain-{cfg.model}-{cfg.pretrain_key()}.pt"
     in_channels, num_classes = x.shape[1], int(y.max()) + 1
     model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
@@ -59,13 +79,17 @@ def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: 
             return model
         except CorruptCheckpointError as err:
             _log(f"{err} Training again.", quiet)
+    ckpt = RollingCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
     set_seed(cfg.seed)
     model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
     t0 = time.time()
-    losses = pretrain(model, x, y, cfg, progress=progress)
+    losses = pretrain(model, x, y, cfg, progress=progress, checkpoint=ckpt, resume=resume)
     _log(f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
          f"(last epoch's loss {losses[-1]:.3f} nats)", quiet)
+    model = _fresh_copy(cfg, model.cpu())
     save_checkpoint(path, {"model": model.state_dict(), "config": cfg.to_dict(), "losses": losses})
+    if ckpt is not None:
+        ckpt.clear()  # the cache file now holds the result
     return model
 
 
@@ -84,9 +108,45 @@ def _row(cfg: MCDConfig, ood: str, method: str, strategy, metrics: dict, acc: fl
             "seed": cfg.seed, **metrics, "id_accuracy": acc, **extra}
 
 
+def _finetuned(cfg: MCDConfig, base: TwoHeadNet, x_train, y_train, split, ood: str, strategy: str,
+               ckpt_dir: Path, progress: bool, quiet: bool, resume: bool) -> tuple[TwoHeadNet, dict]:
+    """One fine-tuning stage: reloaded when a resumed run finished it already, else trained.
+
+    Returns the fine-tuned model (best validation AUROC) and ``{"val_auroc", "seconds"}``.
+    """
+    final = ckpt_dir / f"mcd-{ood}-{strategy}.pt"
+    if resume and final.exists():
+        try:
+            state = load_checkpoint(final, required=("model", "key", "val_auroc", "seconds"))
+            if state["key"] == cfg.training_key():
+                model = _fresh_copy(cfg, base)
+                model.load_state_dict(state["model"])
+                _log(f"{ood:>12} | mcd {strategy:>8} | finished before, reloaded from {final}", quiet)
+                return model.to(cfg.device), state
+        except CorruptCheckpointError as err:
+            _log(f"{err} Fine-tuning again.", quiet)
+    stage = RollingCheckpoint(ckpt_dir / f"mcd-{ood}-{strategy}")
+    set_seed(cfg.seed)
+    model = _fresh_copy(cfg, base)
+    t0 = time.time()
+    hist = finetune(model, x_train, y_train, split, cfg, strategy, progress=progress, checkpoint=stage,
+                    resume=resume)
+    info = {"val_auroc": hist.val_auroc, "seconds": round(time.time() - t0, 1)}
+    save_checkpoint(final, {"model": model.state_dict(), "config": cfg.to_dict(), "key": cfg.training_key(),
+                            "ood": ood, "strategy": strategy, **info})
+    stage.clear()  # the final file now holds the result
+    return model, info
+
+
 def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progress: bool = True,
-                     quiet: bool = False) -> list[dict]:
+                     quiet: bool = False, resume: bool = False) -> list[dict]:
     """Run the whole reproduction for ``cfg`` and write the results into ``out_dir``.
+
+    Checkpoints go to ``out_dir/checkpoints/``: ``pretrain/`` while pre-training (the result goes
+    to the cache), ``mcd-<ood>-<strategy>/`` while fine-tuning and ``mcd-<ood>-<strategy>.pt`` once
+    a fine-tuning stage is done. ``resume=True`` continues an interrupted run from them: finished
+    stages are reloaded, the interrupted one continues from its last checkpoint, exactly (on the
+    CPU the results equal those of an uninterrupted run).
 
     Returns:
         the result rows (also in ``out_dir/results.json``): one ``msp`` row per OOD set and one
@@ -94,7 +154,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
 
     Raises:
         DataNotFoundError: when Fashion-MNIST (or ``mnist``) cannot be found.
-        NonFiniteLossError: when training diverges.
+        NonFiniteLossError: when training diverges (the last good checkpoint is kept).
+        TrainingInterrupted: on SIGTERM during training, after a checkpoint is saved.
+        CheckpointMismatchError: (a ValueError) when resuming with settings that differ from the
+            interrupted run's.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -105,11 +168,19 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     out_dir = Path(out_dir)
+    ckpt_dir = out_dir / "checkpoints"
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "config.json", cfg.to_dict())
     x_train, y_train = load_id(cfg.id_dataset, train=True)
+    if cfg.train_subset > 0:
+        x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
     x_test, y_test = load_id(cfg.id_dataset, train=False)
-    base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet)
+    if cfg.test_subset > 0:
+        x_test, y_test = x_test[:cfg.test_subset], y_test[:cfg.test_subset]
+    base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet,
+                            checkpoint_dir=ckpt_dir / "pretrain", resume=resume)
+    base.to(cfg.device)
+    id_name = _ID_NAMES.get(cfg.id_dataset, cfg.id_dataset)
 
     rows: list[dict] = []
     for ood in cfg.ood_sets:
@@ -123,25 +194,20 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         panels, curves = {"MSP (pre-trained)": msp}, {"MSP (pre-trained)": msp}
         # ---- MCD fine-tuning, once per strategy, from the same weights and seed ----
         for strategy in cfg.strategies:
-            set_seed(cfg.seed)
-            model = copy.deepcopy(base)
-            t0 = time.time()
-            hist = finetune(model, x_train, y_train, split, cfg, strategy, progress=progress)
-            seconds = time.time() - t0
-            save_checkpoint(out_dir / "checkpoints" / f"mcd-{ood}-{strategy}.pt",
-                            {"model": model.state_dict(), "config": cfg.to_dict(), "ood": ood,
-                             "strategy": strategy, "val_auroc": hist.val_auroc})
+            model, info = _finetuned(cfg, base, x_train, y_train, split, ood, strategy, ckpt_dir,
+                                     progress, quiet, resume)
             l1_id, l2_id = predict_logits(model, split.test_id_x, cfg.eval_batch_size, cfg.device)
             l1_ood, l2_ood = predict_logits(model, split.test_ood_x, cfg.eval_batch_size, cfg.device)
             mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
             m = ood_metrics(*mcd)
             rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, split.test_id_y),
-                             best_val_auroc=max(hist.val_auroc), finetune_seconds=round(seconds, 1)))
+                             best_val_auroc=max(info["val_auroc"]), finetune_seconds=info["seconds"]))
             panels[f"MCD ({strategy})"] = curves[f"MCD ({strategy})"] = mcd
             _log(f"{ood:>12} | mcd {strategy:>8} | AUROC {100 * m['auroc']:6.2f}% | FPR95 "
-                 f"{100 * m['fpr95']:5.2f}% | ID acc. {100 * rows[-1]['id_accuracy']:.2f}% | {seconds:.0f} s", quiet)
-        for name, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"Fashion-MNIST (ID) vs {ood} (OOD)")),
-                          (f"roc_{ood}.png", plot_roc_curves(curves, f"Fashion-MNIST vs {ood}"))):
+                 f"{100 * m['fpr95']:5.2f}% | ID acc. {100 * rows[-1]['id_accuracy']:.2f}% | "
+                 f"{info['seconds']:.0f} s", quiet)
+        for name, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"{id_name} (ID) vs {ood} (OOD)")),
+                          (f"roc_{ood}.png", plot_roc_curves(curves, f"{id_name} vs {ood}"))):
             fig.savefig(out_dir / name, dpi=110)
             plt.close(fig)
     atomic_write_json(out_dir / "results.json", rows)

@@ -14,11 +14,30 @@ through the model:
 
 Both give the same loss and gradients when every layer treats each sample on its own; with
 train-mode BatchNorm they do not (batch statistics couple the samples; see notebook 02).
+
+How the loops are built (each one reads top to bottom; ``benchmarks/run.py`` measures them
+against a hand-written loop):
+
+* **Data order** is a pure function of the seed: pass ``p`` over a data set is the permutation
+  that a ``DataLoader(..., shuffle=True, drop_last=True)`` with a seeded generator draws on its
+  ``p``-th iteration (:class:`ShuffledBatches`; the first version of these loops used such
+  loaders). A resumed run skips the batches already consumed by arithmetic, and the data set can
+  live on the GPU.
+* **No host-device synchronisation per step**: the per-step losses stay on the device and are
+  read back, and checked for NaN/inf, every ``cfg.checkpoint_every`` steps and at each epoch end
+  (one sync each), before any checkpoint is written: a NaN never reaches a checkpoint.
+* **Checkpoints** (``checkpoint=``, a :class:`~mcd_helpers.checkpoint.RollingCheckpoint`) every
+  ``cfg.checkpoint_every`` steps and at each epoch end hold the model, optimizer, scheduler, the
+  RNG states, epoch and step, the history and (fine-tuning) the best validation AUROC and its
+  weights. ``resume=True`` continues from them exactly. SIGTERM finishes the step in progress,
+  saves, and raises :class:`TrainingInterrupted`.
+* **Fast path** (config fields, all off by default): ``amp="bf16"`` (autocast, no loss scaling
+  needed for bfloat16), ``channels_last``, ``compile`` (G only, ``dynamic=False``: one graph per
+  batch shape, compiled once; see :func:`compile_model`), ``data_on_device``.
 """
 from __future__ import annotations
 
-import copy
-import itertools
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -26,33 +45,27 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
-from .data import infinite_loader
+from .checkpoint import RollingCheckpoint, rng_state, set_rng_state
+from .engine import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
+                     autocast, compile_model, load_stage_state, place, prepare_model, read_back,
+                     stop_on_sigterm, take)
 from .losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
 from .metrics import ood_metrics
 
-__all__ = ["set_seed", "step_b_loss", "step_a", "pretrain", "finetune", "predict_logits",
-           "FinetuneHistory", "NonFiniteLossError"]
+__all__ = ["set_seed", "step_b_loss", "step_a_loss", "step_a", "pretrain", "finetune", "predict_logits",
+           "FinetuneHistory", "NonFiniteLossError", "TrainingInterrupted", "CheckpointMismatchError", "ShuffledBatches",
+           "prepare_model", "compile_model"]
 
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or inf; the message names the step and the loss parts."""
+_PRETRAIN, _SUP, _UNSUP = 0, 1, 2  # data streams: generator seeds seed + 0, seed + 1, seed + 2
 
 
 def set_seed(seed: int) -> None:
-    """Seed Python's, NumPy's and PyTorch's generators (CPU and CUDA)."""
+    """Seed Python's, NumPy's and PyTorch's generators (CPU and every CUDA device)."""
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def _check_finite(loss: torch.Tensor, parts: dict, where: str) -> None:
-    if not torch.isfinite(loss):
-        detail = ", ".join(f"{k}={float(v):.4g}" for k, v in parts.items())
-        raise NonFiniteLossError(f"non-finite loss at {where}: loss={float(loss)} ({detail}). "
-                                 "Lower the learning rate or check the inputs for NaN.")
+    torch.manual_seed(seed)  # seeds the CUDA generators too
 
 
 def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
@@ -90,11 +103,20 @@ def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_un
     return ce + dis, {"ce": ce.detach(), "dis": dis.detach(), "gap": gap}
 
 
+def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor) -> torch.Tensor:
+    """Official Step A loss: CE(F1(G(x))) + CE(F2(G(x).detach())), nats; only CE(F1) reaches G.
+
+    Shapes:
+        x_sup: ``(N, C, H, W)``; y_sup: ``(N,)`` -> scalar.
+    """
+    feat = model.features(x_sup)  # (N, D)
+    return supervised_loss(model.F1(feat), model.F2(feat.detach()), y_sup)
+
+
 def step_a(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor,
            optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """Official Step A: CE(F1(G(x))) + CE(F2(G(x).detach())), one backward and step. Returns the loss."""
-    feat = model.features(x_sup)  # (N, D)
-    loss = supervised_loss(model.F1(feat), model.F2(feat.detach()), y_sup)
+    """Official Step A: :func:`step_a_loss`, one backward and optimizer step. Returns the loss (detached)."""
+    loss = step_a_loss(model, x_sup, y_sup)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -121,46 +143,92 @@ def _sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> t
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
-def _loader(tensors: tuple, batch_size: int, seed: int, drop_last: bool = True) -> DataLoader:
-    # An explicit generator makes the shuffling order a function of the seed alone.
-    return DataLoader(TensorDataset(*tensors), batch_size=batch_size, shuffle=True, drop_last=drop_last,
-                      generator=torch.Generator().manual_seed(seed))
+def _due(cfg, global_step: int) -> bool:
+    return cfg.checkpoint_every > 0 and global_step % cfg.checkpoint_every == 0
 
 
 # ----------------------------------------------------------------------------------------------
 # Pre-training
 # ----------------------------------------------------------------------------------------------
 
-def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: bool = True) -> list[float]:
+def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: bool = True,
+             checkpoint: RollingCheckpoint | None = None, resume: bool = False) -> list[float]:
     """Pre-train both heads with CE(F1) + CE(F2) on labeled ID data, SGD with step decay.
 
     Args:
-        model: a :class:`~mcd_helpers.models.TwoHeadNet` (trained in place).
+        model: a :class:`~mcd_helpers.models.TwoHeadNet` (trained in place, on ``cfg.device``).
         x: ``(N, C, H, W)`` images; y: ``(N,)`` labels.
-        cfg: an :class:`~mcd_helpers.config.MCDConfig` (``pretrain_*`` fields, ``seed``, ``device``).
+        cfg: an :class:`~mcd_helpers.config.MCDConfig` (``pretrain_*`` fields, ``seed``, ``device``,
+            ``checkpoint_every`` and the fast-path fields).
+        checkpoint: where to keep checkpoints (none when ``None``).
+        resume: continue from ``checkpoint``'s last state when there is one.
 
     Returns:
         the mean training loss of each epoch (nats).
+
+    Raises:
+        NonFiniteLossError: when a loss becomes NaN or inf (names the step; last checkpoint kept).
+        TrainingInterrupted: after SIGTERM (only while ``checkpoint`` is given), once saved.
+        CheckpointMismatchError: (a ValueError) if ``resume`` finds a checkpoint of other settings.
     """
     device = torch.device(cfg.device)
-    model.to(device).train()
+    prepare_model(model, cfg).train()
     opt = _sgd(model, cfg.pretrain_lr, cfg.pretrain_momentum, cfg.pretrain_weight_decay)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(cfg.pretrain_milestones), gamma=0.1)
-    loader = _loader((x, y), cfg.pretrain_batch_size, cfg.seed)
-    history = []
-    for epoch in range(cfg.pretrain_epochs):
-        total, bar = 0.0, tqdm(loader, desc=f"pre-training {epoch + 1}/{cfg.pretrain_epochs}",
-                               disable=not progress, leave=False)
-        for step, (xb, yb) in enumerate(bar):
-            logits1, logits2 = model(xb.to(device))
-            loss = supervised_loss(logits1, logits2, yb.to(device))
-            _check_finite(loss, {"ce": loss}, f"pre-training epoch {epoch + 1} step {step}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            total += loss.item()
-        sched.step()
-        history.append(total / len(loader))
+    x, y = place(x, cfg), place(y, cfg)
+    # The order of the first version's loader: drained each epoch, through tqdm.auto (2 iterators).
+    batches = ShuffledBatches(len(x), cfg.pretrain_batch_size, cfg.seed, _PRETRAIN, x.device, iterators=2)
+    steps, key = batches.per_pass, cfg.pretrain_key()
+    history, epoch_losses, start_epoch, start_step, pending = [], [], 0, 0, []
+
+    # ---- resume: model, optimizer, scheduler, RNG states, position, losses so far ----
+    state = load_stage_state(checkpoint, resume, "pretrain", key)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        start_epoch, start_step = state["epoch"], state["step"]
+        history, epoch_losses = state["history"], state["epoch_losses"]
+
+    def save(epoch: int, step: int) -> None:
+        checkpoint.save({"stage": "pretrain", "key": key, "config": cfg.to_dict(), "model": model.state_dict(),
+                         "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(),
+                         "epoch": epoch, "step": step, "history": history, "epoch_losses": epoch_losses})
+
+    with stop_on_sigterm(checkpoint is not None) as stop:
+        for epoch in range(start_epoch, cfg.pretrain_epochs):
+            stage = f"pre-training {epoch + 1}/{cfg.pretrain_epochs}"
+            for step in tqdm(range(start_step, steps), desc=stage, disable=not progress, leave=False,
+                             initial=start_step, total=steps):
+                # ---- one step: CE(F1) + CE(F2) on a labeled batch ----
+                idx = batches.batch(epoch, step)
+                xb, yb = take(x, idx, device, cfg.channels_last), take(y, idx, device)
+                with autocast(cfg, device):
+                    logits1, logits2 = model(xb)  # (B, K) each
+                    loss = supervised_loss(logits1, logits2, yb)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                pending.append((epoch, step, loss.detach().reshape(1)))
+                # ---- every N steps, and at once on SIGTERM: losses read back and checked, checkpoint ----
+                if stop.requested or _due(cfg, epoch * steps + step + 1):
+                    epoch_losses += [r[0] for r in read_back(pending, ("ce",), "pre-training", checkpoint)]
+                    if checkpoint is not None:
+                        save(epoch, step + 1)
+                    if stop.requested:
+                        raise TrainingInterrupted(f"SIGTERM in {stage} step {step + 1}/{steps}; "
+                                                  f"saved in {checkpoint.folder}. Resume to continue.")
+            start_step = 0
+            # ---- epoch end: losses read back and checked, lr decay, checkpoint ----
+            epoch_losses += [r[0] for r in read_back(pending, ("ce",), "pre-training", checkpoint)]
+            history.append(sum(epoch_losses) / len(epoch_losses))
+            epoch_losses = []
+            sched.step()
+            if checkpoint is not None:
+                save(epoch + 1, 0)
+                if stop.requested:
+                    raise TrainingInterrupted(f"SIGTERM at the end of {stage}; saved in {checkpoint.folder}.")
     return history
 
 
@@ -171,55 +239,115 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
 @dataclass
 class FinetuneHistory:
     """Per-step losses (nats) and per-epoch validation AUROC of one fine-tuning run."""
-    ce: list[float] = field(default_factory=list)
-    dis: list[float] = field(default_factory=list)
+    ce: list[float] = field(default_factory=list)  # Step B: CE(F1) + CE(F2) on the labeled batch
+    dis: list[float] = field(default_factory=list)  # Step B: discrepancy loss
     gap: list[float] = field(default_factory=list)  # mean H(p1) - H(p2) on the unlabeled batch
     val_auroc: list[float] = field(default_factory=list)
     best_epoch: int = -1
+    step_a: list[float] = field(default_factory=list)  # Step A's loss (official schedule only)
 
 
 def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, cfg, strategy: str,
-             progress: bool = True) -> FinetuneHistory:
+             progress: bool = True, checkpoint: RollingCheckpoint | None = None,
+             resume: bool = False) -> FinetuneHistory:
     """Fine-tune with MCD; keep the weights with the best validation AUROC (loaded into ``model``).
 
     Each iteration draws a labeled batch from ``(x_sup, y_sup)`` and an unlabeled batch from
-    ``split.unlabeled()`` (via :func:`~mcd_helpers.data.infinite_loader`), then runs Step A
+    ``split.unlabeled()`` (its own endless stream of shuffled passes), then runs Step A
     (``cfg.schedule == "official"``) and Step B with ``strategy``. An epoch is one pass over the
     labeled set, capped at ``cfg.steps_per_epoch`` when > 0. After each epoch the discrepancy
     score's AUROC on ``split.val_id_x`` vs ``split.val_ood_x`` selects the model.
 
+    Args:
+        checkpoint: where to keep checkpoints (none when ``None``); resume: continue from it.
+
     Raises:
-        NonFiniteLossError: when a loss becomes NaN or inf (names the step and the loss parts).
+        NonFiniteLossError: when a loss becomes NaN or inf (names the step and the loss parts;
+            the last good checkpoint is kept).
+        TrainingInterrupted: after SIGTERM (only while ``checkpoint`` is given), once saved.
+        ValueError: on an unknown strategy; CheckpointMismatchError (a ValueError) on a checkpoint
+            written with other settings.
     """
-    device = torch.device(cfg.device)
-    model.to(device).train()
+    if strategy not in ("separate", "concat"):
+        raise ValueError(f"strategy must be 'separate' or 'concat', got {strategy!r}.")
+    device, official = torch.device(cfg.device), cfg.schedule == "official"
+    prepare_model(model, cfg).train()
     opt = _sgd(model, cfg.finetune_lr, cfg.finetune_momentum, cfg.finetune_weight_decay)
-    sup = _loader((x_sup, y_sup), cfg.batch_size_sup, cfg.seed + 1)
-    unsup = infinite_loader(_loader(split.unlabeled().tensors, cfg.batch_size_unsup, cfg.seed + 2))
-    steps = len(sup) if cfg.steps_per_epoch <= 0 else min(cfg.steps_per_epoch, len(sup))
-    hist, best, best_auroc = FinetuneHistory(), None, -math.inf
-    for epoch in range(cfg.finetune_epochs):
-        model.train()
-        bar = tqdm(itertools.islice(sup, steps), total=steps, disable=not progress, leave=False,
-                   desc=f"fine-tuning ({strategy}) {epoch + 1}/{cfg.finetune_epochs}")
-        for step, (xs, ys) in enumerate(bar):
-            xs, ys = xs.to(device), ys.to(device)
-            (xu,) = next(unsup)
-            if cfg.schedule == "official":
-                step_a(model, xs, ys, opt)
-            loss, parts = step_b_loss(model, xs, ys, xu.to(device), strategy, cfg.margin)
-            _check_finite(loss, parts, f"fine-tuning epoch {epoch + 1} step {step}")
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            for k in ("ce", "dis", "gap"):
-                getattr(hist, k).append(float(parts[k]))
-        # ---- model selection on the validation split ----
-        val = ood_metrics(discrepancy_score(*predict_logits(model, split.val_id_x, cfg.eval_batch_size, device)),
-                          discrepancy_score(*predict_logits(model, split.val_ood_x, cfg.eval_batch_size, device)))
-        hist.val_auroc.append(val["auroc"])
-        if val["auroc"] > best_auroc:
-            best_auroc, hist.best_epoch = val["auroc"], epoch
-            best = copy.deepcopy(model.state_dict())
-    model.load_state_dict(best)
+    x_sup, y_sup = place(x_sup, cfg), place(y_sup, cfg)
+    x_unsup = place(split.unlabeled().tensors[0], cfg)  # (N_unlabeled, C, H, W)
+    # An epoch may stop before the end of a labeled pass (not drained); unlabeled passes run out.
+    sup = ShuffledBatches(len(x_sup), cfg.batch_size_sup, cfg.seed, _SUP, x_sup.device, drained=False)
+    unsup = ShuffledBatches(len(x_unsup), cfg.batch_size_unsup, cfg.seed, _UNSUP, x_unsup.device, drained=True)
+    steps = sup.per_pass if cfg.steps_per_epoch <= 0 else min(cfg.steps_per_epoch, sup.per_pass)
+    names = ("ce", "dis", "gap") + (("step_a",) if official else ())
+    key = cfg.training_key()
+    hist, best, best_auroc, start_epoch, start_step, pending = FinetuneHistory(), None, -math.inf, 0, 0, []
+
+    # ---- resume: model, optimizer, RNG states, position, history, best weights so far ----
+    state = load_stage_state(checkpoint, resume, f"fine-tuning ({strategy})", key)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"])
+        start_epoch, start_step = state["epoch"], state["step"]
+        hist, best, best_auroc = FinetuneHistory(**state["history"]), state["best_model"], state["best_auroc"]
+
+    def save(epoch: int, step: int) -> None:
+        checkpoint.save({"stage": f"fine-tuning ({strategy})", "key": key, "config": cfg.to_dict(),
+                         "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
+                         "rng": rng_state(), "epoch": epoch, "step": step, "history": dataclasses.asdict(hist),
+                         "best_auroc": best_auroc, "best_model": best})
+
+    def log(rows: list[list[float]]) -> None:
+        for name, column in zip(names, zip(*rows)):
+            getattr(hist, name).extend(column)
+
+    with stop_on_sigterm(checkpoint is not None) as stop:
+        for epoch in range(start_epoch, cfg.finetune_epochs):
+            stage = f"fine-tuning ({strategy}) {epoch + 1}/{cfg.finetune_epochs}"
+            model.train()
+            for step in tqdm(range(start_step, steps), desc=stage, disable=not progress, leave=False,
+                             initial=start_step, total=steps):
+                g = epoch * steps + step  # global step, also the index of the unlabeled batch
+                idx = sup.batch(epoch, step)
+                xs, ys = take(x_sup, idx, device, cfg.channels_last), take(y_sup, idx, device)
+                xu = take(x_unsup, unsup.batch_at(g), device, cfg.channels_last)
+                # ---- Step A: CE, F2 on detached features ----
+                if official:
+                    with autocast(cfg, device):
+                        loss_a = step_a_loss(model, xs, ys)
+                    opt.zero_grad(set_to_none=True)
+                    loss_a.backward()
+                    opt.step()
+                # ---- Step B: CE on both heads + discrepancy loss, one backward ----
+                with autocast(cfg, device):
+                    loss, parts = step_b_loss(model, xs, ys, xu, strategy, cfg.margin)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                opt.step()
+                record = [parts["ce"], parts["dis"], parts["gap"]] + ([loss_a.detach()] if official else [])
+                pending.append((epoch, step, torch.stack(record)))  # stays on the device: no sync
+                # ---- every N steps, and at once on SIGTERM: losses read back and checked, checkpoint ----
+                if stop.requested or _due(cfg, g + 1):
+                    log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
+                    if checkpoint is not None:
+                        save(epoch, step + 1)
+                    if stop.requested:
+                        raise TrainingInterrupted(f"SIGTERM in {stage} step {step + 1}/{steps}; "
+                                                  f"saved in {checkpoint.folder}. Resume to continue.")
+            start_step = 0
+            log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
+            # ---- model selection on the validation split ----
+            val = ood_metrics(discrepancy_score(*predict_logits(model, split.val_id_x, cfg.eval_batch_size, device)),
+                              discrepancy_score(*predict_logits(model, split.val_ood_x, cfg.eval_batch_size, device)))
+            hist.val_auroc.append(val["auroc"])
+            if val["auroc"] > best_auroc:
+                best_auroc, hist.best_epoch = val["auroc"], epoch
+                best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            if checkpoint is not None:
+                save(epoch + 1, 0)
+                if stop.requested:
+                    raise TrainingInterrupted(f"SIGTERM at the end of {stage}; saved in {checkpoint.folder}.")
+    if best is not None:
+        model.load_state_dict(best)
     return hist

@@ -256,3 +256,22 @@ def test_data_present_looks_for_folders_or_archives(tmp_path):
     (tmp_path / "LSUN.tar.gz").write_bytes(b"")
     assert cifar.data_present("cifar10", ("LSUN", "gaussian"), root=tmp_path)
     assert not cifar.data_present("cifar100", ("gaussian",), root=tmp_path)
+
+
+def test_reproduce_cli_pipeline_runs_on_cifar_stand_ins(tmp_data_dir, monkeypatch):
+    # The whole `reproduce` pipeline with CIFAR-10 as ID and an ODIN folder as OOD, at toy size.
+    from mcd_helpers.config import MCDConfig
+    from mcd_helpers.reproduce import run_reproduction
+
+    rng = np.random.RandomState(8)
+    _write_cifar(tmp_data_dir, CIFAR10, [16, 16, 16, 16, 16, 40], rng)
+    _trust_stand_ins(monkeypatch, tmp_data_dir, CIFAR10)
+    _jpegs(tmp_data_dir / "LSUN" / "test", 30, rng)
+    cfg = MCDConfig(id_dataset="cifar10", ood_sets=("LSUN", "gaussian"), ood_size=30, n_val=10,
+                    pretrain_epochs=1, pretrain_milestones=(), pretrain_batch_size=16, steps_per_epoch=2,
+                    batch_size_sup=8, batch_size_unsup=8, strategies=("separate",), eval_batch_size=64)
+    rows = run_reproduction(cfg, tmp_data_dir / "out", progress=False, quiet=True)
+    assert [(r["ood_dataset"], r["method"]) for r in rows] == [("LSUN", "msp"), ("LSUN", "mcd"),
+                                                               ("gaussian", "msp"), ("gaussian", "mcd")]
+    assert all(0.0 <= r["auroc"] <= 1.0 for r in rows)
+    assert (tmp_data_dir / "out" / "results.json").exists()

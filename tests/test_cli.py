@@ -1,0 +1,62 @@
+"""The command line: flags map one-to-one onto config fields; errors exit 2 with a message."""
+import dataclasses
+
+import pytest
+
+from mcd_helpers.__main__ import build_parser, config_from_args, main
+from mcd_helpers.config import MCDConfig
+from mcd_helpers.presets import PRESETS
+
+
+def _cfg(*flags: str) -> MCDConfig:
+    return config_from_args(build_parser().parse_args(["reproduce", "--out", "x", *flags]))
+
+
+def test_every_config_field_has_a_flag():
+    rep = build_parser()._subparsers._group_actions[0].choices["reproduce"]
+    dests = {a.dest for a in rep._actions}
+    assert {f.name for f in dataclasses.fields(MCDConfig)} - {"extra"} <= dests
+
+
+def test_fast_path_is_off_by_default_and_on_with_its_flags():
+    cfg = _cfg()
+    assert (cfg.amp, cfg.channels_last, cfg.compile, cfg.data_on_device, cfg.device) == \
+        ("none", False, False, False, "cpu")
+    cfg = _cfg("--amp", "bf16", "--channels-last", "--compile", "--data-on-device", "--device", "cuda")
+    assert (cfg.amp, cfg.channels_last, cfg.compile, cfg.data_on_device, cfg.device) == \
+        ("bf16", True, True, True, "cuda")
+    assert _cfg("--compile", "--no-compile").compile is False  # the last switch wins
+
+
+def test_flags_override_the_preset_and_parse_their_types():
+    cfg = _cfg("--checkpoint-every", "7", "--train-subset", "500", "--ood-sets", "digits,gaussian",
+               "--finetune-lr", "0.01", "--pretrain-milestones", "1,2")
+    assert cfg.checkpoint_every == 7 and cfg.train_subset == 500
+    assert cfg.ood_sets == ("digits", "gaussian") and cfg.pretrain_milestones == (1, 2)
+    assert cfg.finetune_lr == 0.01
+    assert cfg.steps_per_epoch == PRESETS["quick"].steps_per_epoch  # untouched: the preset's value
+
+
+def test_resume_and_retrain_are_switches():
+    args = build_parser().parse_args(["reproduce", "--out", "x", "--resume"])
+    assert args.resume is True and args.retrain is False
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--amp", "fp16"], "amp must be one of ('none', 'bf16'), got 'fp16'"),
+    (["--checkpoint-every", "-1"], "checkpoint_every must be >= 0"),
+    (["--preset", "nope"], "unknown preset 'nope'"),
+])
+def test_bad_values_exit_2_with_the_reason(flags, message, capsys, tmp_path):
+    assert main(["reproduce", "--out", str(tmp_path), *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_out_is_required(capsys):
+    assert main(["reproduce"]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+
+
+def test_list_presets(capsys):
+    assert main(["reproduce", "--list-presets"]) == 0
+    assert "quick:" in capsys.readouterr().out
