@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import DataNotFoundError, cache_root
+from .data import DataNotFoundError, cache_root, odin_noise
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "CIFAR_IMAGE_SHAPE", "CIFAR_DATASETS", "ODIN_ARCHIVES",
            "ODIN_OOD_SETS", "NOISE_SETS", "CIFAR_OOD_SETS", "ChecksumError", "OdinArchive", "md5sum",
@@ -263,16 +263,7 @@ def cifar_noise(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:
     Raises:
         ValueError: on an unknown name or ``n < 1``.
     """
-    if name not in NOISE_SETS:
-        raise ValueError(f"unknown noise set {name!r}; choose from {', '.join(NOISE_SETS)}.")
-    if n < 1:
-        raise ValueError(f"a noise set needs at least one sample, got n={n}.")
-    g = torch.Generator().manual_seed(seed)
-    if name == "gaussian":
-        x = torch.clamp(torch.randn((n, *CIFAR_IMAGE_SHAPE), generator=g) + 0.5, 0.0, 1.0)
-    else:
-        x = torch.rand((n, *CIFAR_IMAGE_SHAPE), generator=g)
-    return normalize_cifar(x)
+    return normalize_cifar(odin_noise(name, n, CIFAR_IMAGE_SHAPE, seed))
 
 
 def data_present(id_dataset: str, ood_sets=CIFAR_OOD_SETS, root: Path | None = None) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["load_id", "ID_DATASETS", "FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
+__all__ = ["load_id", "odin_noise", "ID_DATASETS", "FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
            "DataNotFoundError", "cache_root", "load_fashion_mnist", "load_ood", "normalize",
            "TransductiveSplit", "transductive_split", "infinite_loader", "IMAGE_SHAPE"]
 
@@ -187,6 +187,28 @@ def _mnist() -> torch.Tensor:
     return ds.data.unsqueeze(1).float().div_(255.0)
 
 
+def odin_noise(name: str, n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """ODIN's noise OOD sets (Liang et al. 2018), pixels in [0, 1], not normalised.
+
+    ``gaussian``: ``clamp(N(0.5, 1), 0, 1)`` per pixel; ``uniform``: ``U[0, 1]`` per pixel. Drawn
+    from a generator seeded with ``seed``, so the same arguments give the same images.
+
+    Shapes:
+        returns ``(n, *shape)`` float32, e.g. ``shape = (1, 28, 28)`` or ``(3, 32, 32)``.
+
+    Raises:
+        ValueError: on a name other than ``gaussian``/``uniform`` or ``n < 1``.
+    """
+    if name not in ("gaussian", "uniform"):
+        raise ValueError(f"unknown noise set {name!r}; choose from gaussian, uniform.")
+    if n < 1:
+        raise ValueError(f"a noise set needs at least one sample, got n={n}.")
+    g = torch.Generator().manual_seed(seed)
+    if name == "gaussian":
+        return torch.clamp(torch.randn((n, *shape), generator=g) + 0.5, 0.0, 1.0)
+    return torch.rand((n, *shape), generator=g)
+
+
 def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
     """An OOD set as a tensor ``(N, C, H, W)`` float32, normalised like the ID set ``id_dataset``.
 
@@ -223,10 +245,8 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
         x = _digits()
     elif name == "photo_crops":
         x = _photo_crops(n, g)
-    elif name == "gaussian":  # ODIN: N(0.5, 1) clipped to [0, 1]
-        x = torch.clamp(torch.randn((n, *IMAGE_SHAPE), generator=g) + 0.5, 0.0, 1.0)
-    elif name == "uniform":  # ODIN: U[0, 1]
-        x = torch.rand((n, *IMAGE_SHAPE), generator=g)
+    elif name in ("gaussian", "uniform"):
+        x = odin_noise(name, n, IMAGE_SHAPE, seed)
     else:
         x = _mnist()
     return normalize(x)

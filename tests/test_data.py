@@ -142,3 +142,20 @@ def test_infinite_loader_on_empty_loader_raises():
     empty = DataLoader(TensorDataset(torch.arange(3)), batch_size=5, drop_last=True)
     with pytest.raises(ValueError, match="no batches"):
         next(infinite_loader(empty))
+
+
+def test_odin_noise_follows_odins_definitions_at_any_shape():
+    from mcd_helpers.data import odin_noise
+
+    g = odin_noise("gaussian", 4000, (1, 8, 8), seed=5)
+    # clamp(N(0.5, 1), 0, 1): P(x == 0) = P(z < -0.5) = Phi(-0.5) ~ 0.3085, P(x == 1) = P(z > 0.5) ~ 0.3085
+    assert g.shape == (4000, 1, 8, 8) and g.min() == 0.0 and g.max() == 1.0
+    assert abs((g == 0).float().mean().item() - 0.3085) < 0.01
+    assert abs((g == 1).float().mean().item() - 0.3085) < 0.01
+    u = odin_noise("uniform", 4000, (3, 4, 4), seed=5)
+    assert u.shape == (4000, 3, 4, 4) and abs(u.mean().item() - 0.5) < 0.01 and abs(u.var().item() - 1 / 12) < 0.002
+    assert torch.equal(odin_noise("uniform", 3, (1, 2, 2), 7), odin_noise("uniform", 3, (1, 2, 2), 7))
+    with pytest.raises(ValueError, match="gaussian, uniform"):
+        odin_noise("salt", 3, (1, 2, 2))
+    with pytest.raises(ValueError, match="at least one"):
+        odin_noise("uniform", 0, (1, 2, 2))
