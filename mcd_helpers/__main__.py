@@ -5,6 +5,7 @@ Examples::
     python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 5 minutes
     python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
     python -m mcd_helpers reproduce --list-presets
+    torchrun --standalone --nproc_per_node=2 -m mcd_helpers reproduce --preset quick --out runs/ddp   # DDP, CPU
     python -m mcd_helpers reproduce --preset quick --out runs/x --strategies concat --margin 0.8
     python -m mcd_helpers reproduce --preset paper-cifar10-densenet --out runs/c10 \
         --amp bf16 --channels-last --compile --data-on-device                 # GPU fast path
@@ -65,6 +66,7 @@ _FIELD_HELP = {
     "amp": "mixed precision: none or bf16 (bfloat16 autocast; GPU fast path)",
     "channels_last": "channels-last (NHWC) memory format for model and batches (GPU fast path)",
     "compile": "torch.compile the feature extractor G, one graph per batch shape (GPU fast path)",
+    "sync_bn": "under torchrun: SyncBatchNorm, BatchNorm statistics over the global batch (GPUs only)",
     "data_on_device": "hold the whole data set on the device and gather batches there (GPU fast path)",
 }
 
@@ -142,9 +144,18 @@ def main(argv: list[str] | None = None) -> int:
     from .reproduce import run_reproduction
     from .engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
+    from .distributed import check_sync_bn, cleanup, dist_env, is_main_process
+
+    if cfg.sync_bn and dist_env().distributed:
+        try:
+            check_sync_bn(cfg.device)
+        except ValueError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
     try:
         run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
                          resume=args.resume)
+        main_rank = is_main_process()
     except TrainingInterrupted as err:
         print(f"interrupted: {err} Continue with the same command and --resume.", file=sys.stderr)
         return 128 + signal.SIGTERM  # 143, what a process killed by SIGTERM reports
@@ -154,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointMismatchError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if not args.quiet:
+    finally:
+        cleanup()  # the torchrun process group, if any
+    if not args.quiet and main_rank:
         print((args.out / "results.md").read_text())
     return 0
 

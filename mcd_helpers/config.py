@@ -19,7 +19,9 @@ SCHEDULES = ("official", "step_b")
 AMP_MODES = ("none", "bf16")
 # Fields that say how to run, not what to compute: they may change between an interrupted run and
 # its resume. (On CPU they leave the numbers unchanged; on a GPU they change them only by rounding.)
-RUN_FIELDS = ("device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
+# sync_bn changes the numbers only under torchrun, where the stage keys carry it anyway
+# (mcd_helpers.distributed.stage_key), so it stays out of the hash of single-process runs.
+RUN_FIELDS = ("sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
               "compile", "data_on_device", "extra", "ood_sets", "strategies")
 
 
@@ -73,6 +75,9 @@ class MCDConfig:
     channels_last: bool = False  # NHWC memory format for model and batches (faster convs on tensor cores)
     compile: bool = False  # torch.compile the feature extractor G (dynamic=False: one graph per batch shape)
     data_on_device: bool = False  # hold the whole data set on the device; batches are gathered there
+
+    # --- torchrun (DDP): ignored in a single process ---
+    sync_bn: bool = False  # SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)
 
     extra: dict = field(default_factory=dict)  # free-form notes stored with the results
 

@@ -2,7 +2,8 @@
 
 * :class:`ShuffledBatches`: the data order (a seeded DataLoader's) as a pure function of (seed,
   pass), so a resumed run skips consumed batches by arithmetic and the data set may live on the
-  GPU. Under ``torchrun`` a rank would take its shard of the same permutation.
+  GPU. Under ``torchrun`` each rank takes its share of every batch of the same permutation
+  (:class:`mcd_helpers.distributed.ShardedBatches`), so the global batches are the single-process ones.
 * The GPU fast path: :func:`prepare_model` (device, ``channels_last``, :func:`compile_model`),
   :func:`autocast` (bfloat16), :func:`place` / :func:`take` (data held on the device).
 * Run control: :func:`stop_on_sigterm` (finish the step, checkpoint, stop),

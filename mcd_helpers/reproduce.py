@@ -8,11 +8,17 @@
 3. Evaluate on the test split and write ``results.json`` (atomically), ``results.md`` and, per
    OOD set, ``hist_<ood>.png`` (score histograms) and ``roc_<ood>.png`` (ROC curves).
 
+Under ``torchrun --standalone --nproc_per_node=N -m mcd_helpers reproduce ...`` every stage trains
+with DDP (:mod:`mcd_helpers.distributed`: settings and why), the test and validation scores are
+gathered from all ranks so the metrics use the whole split, and only rank 0 writes the cache,
+checkpoints, ``results.json``, ``results.md`` and the plots; every rank returns the same rows.
+
 Every training stage checkpoints into ``<out>/checkpoints/`` (:mod:`mcd_helpers.train`), so an
 interrupted run continues with ``resume=True`` (CLI: ``--resume``) and ends with the same numbers.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -22,6 +28,8 @@ import torch
 from .checkpoint import (CorruptCheckpointError, RollingCheckpoint, atomic_write_json, atomic_write_text,
                          load_checkpoint, save_checkpoint)
 from .config import MCDConfig
+from .distributed import (broadcast_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
+                          stage_key)
 from .data import cache_root, load_id, load_ood, transductive_split
 from .losses import discrepancy_score, msp_score
 from .metrics import METRIC_KEYS, ood_metrics
@@ -69,7 +77,7 @@ def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: 
     Raises:
         NonFiniteLossError, TrainingInterrupted: from :func:`~mcd_helpers.train.pretrain`.
     """
-    path = cache_root() / "checkpoints" / f"pretrain-{cfg.model}-{cfg.pretrain_key()}.pt"
+    path = cache_root() / "checkpoints" / f"pretrain-{cfg.model}-{stage_key(cfg.pretrain_key(), cfg.sync_bn)}.pt"
     in_channels, num_classes = x.shape[1], int(y.max()) + 1
     model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
     if path.exists() and not retrain:
@@ -87,6 +95,8 @@ def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: 
     _log(f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
          f"(last epoch's loss {losses[-1]:.3f} nats)", quiet)
     model = _fresh_copy(cfg, model.cpu())
+    if not is_main_process():
+        return model
     save_checkpoint(path, {"model": model.state_dict(), "config": cfg.to_dict(), "losses": losses})
     if ckpt is not None:
         ckpt.clear()  # the cache file now holds the result
@@ -118,7 +128,7 @@ def _finetuned(cfg: MCDConfig, base: TwoHeadNet, x_train, y_train, split, ood: s
     if resume and final.exists():
         try:
             state = load_checkpoint(final, required=("model", "key", "val_auroc", "seconds"))
-            if state["key"] == cfg.training_key():
+            if state["key"] == stage_key(cfg.training_key(), cfg.sync_bn):
                 model = _fresh_copy(cfg, base)
                 model.load_state_dict(state["model"])
                 _log(f"{ood:>12} | mcd {strategy:>8} | finished before, reloaded from {final}", quiet)
@@ -132,8 +142,10 @@ def _finetuned(cfg: MCDConfig, base: TwoHeadNet, x_train, y_train, split, ood: s
     hist = finetune(model, x_train, y_train, split, cfg, strategy, progress=progress, checkpoint=stage,
                     resume=resume)
     info = {"val_auroc": hist.val_auroc, "seconds": round(time.time() - t0, 1)}
-    save_checkpoint(final, {"model": model.state_dict(), "config": cfg.to_dict(), "key": cfg.training_key(),
-                            "ood": ood, "strategy": strategy, **info})
+    if not is_main_process():
+        return model, info
+    save_checkpoint(final, {"model": model.state_dict(), "config": cfg.to_dict(),
+                            "key": stage_key(cfg.training_key(), cfg.sync_bn), "ood": ood, "strategy": strategy, **info})
     stage.clear()  # the final file now holds the result
     return model, info
 
@@ -167,10 +179,23 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
 
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
+    # ---- torchrun: process group, this rank's device; only rank 0 logs and writes ----
+    env, device = init_distributed(cfg.device)
+    if device != cfg.device:
+        cfg = dataclasses.replace(cfg, device=device)
+    if cfg.sync_bn and env.distributed:
+        check_sync_bn(cfg.device)
+    main = is_main_process()
+    quiet, progress = quiet or not main, progress and main
     out_dir = Path(out_dir)
     ckpt_dir = out_dir / "checkpoints"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(out_dir / "config.json", cfg.to_dict())
+    if main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out_dir / "config.json", cfg.to_dict())
+
+    def logits(model, x):  # both heads' logits on all of x, scored in shards by all ranks
+        return gather_scores(lambda t: predict_logits(model, t, cfg.eval_batch_size, cfg.device), x)
+
     x_train, y_train = load_id(cfg.id_dataset, train=True)
     if cfg.train_subset > 0:
         x_train, y_train = x_train[:cfg.train_subset], y_train[:cfg.train_subset]
@@ -180,6 +205,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet,
                             checkpoint_dir=ckpt_dir / "pretrain", resume=resume)
     base.to(cfg.device)
+    broadcast_buffers(base)  # after DDP pre-training the ranks' BatchNorm statistics differ: use rank 0's
     id_name = _ID_NAMES.get(cfg.id_dataset, cfg.id_dataset)
 
     rows: list[dict] = []
@@ -187,31 +213,37 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         split = transductive_split(x_test, y_test, load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset),
                                    cfg.n_val, cfg.split_seed)
         # ---- MSP baseline on the pre-trained network (F1's softmax) ----
-        l1_id, _ = predict_logits(base, split.test_id_x, cfg.eval_batch_size, cfg.device)
-        l1_ood, _ = predict_logits(base, split.test_ood_x, cfg.eval_batch_size, cfg.device)
+        l1_id, _ = logits(base, split.test_id_x)
+        l1_ood, _ = logits(base, split.test_ood_x)
         msp = (msp_score(l1_id), msp_score(l1_ood))
-        rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, split.test_id_y)))
+        rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, split.test_id_y),
+                         world_size=env.world_size))
         panels, curves = {"MSP (pre-trained)": msp}, {"MSP (pre-trained)": msp}
         # ---- MCD fine-tuning, once per strategy, from the same weights and seed ----
         for strategy in cfg.strategies:
             model, info = _finetuned(cfg, base, x_train, y_train, split, ood, strategy, ckpt_dir,
                                      progress, quiet, resume)
-            l1_id, l2_id = predict_logits(model, split.test_id_x, cfg.eval_batch_size, cfg.device)
-            l1_ood, l2_ood = predict_logits(model, split.test_ood_x, cfg.eval_batch_size, cfg.device)
+            broadcast_buffers(model)
+            l1_id, l2_id = logits(model, split.test_id_x)
+            l1_ood, l2_ood = logits(model, split.test_ood_x)
             mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
             m = ood_metrics(*mcd)
             rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, split.test_id_y),
-                             best_val_auroc=max(info["val_auroc"]), finetune_seconds=info["seconds"]))
+                             best_val_auroc=max(info["val_auroc"]), finetune_seconds=info["seconds"],
+                             world_size=env.world_size))
             panels[f"MCD ({strategy})"] = curves[f"MCD ({strategy})"] = mcd
             _log(f"{ood:>12} | mcd {strategy:>8} | AUROC {100 * m['auroc']:6.2f}% | FPR95 "
                  f"{100 * m['fpr95']:5.2f}% | ID acc. {100 * rows[-1]['id_accuracy']:.2f}% | "
                  f"{info['seconds']:.0f} s", quiet)
+        if not main:
+            continue
         for name, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"{id_name} (ID) vs {ood} (OOD)")),
                           (f"roc_{ood}.png", plot_roc_curves(curves, f"{id_name} vs {ood}"))):
             fig.savefig(out_dir / name, dpi=110)
             plt.close(fig)
-    atomic_write_json(out_dir / "results.json", rows)
-    atomic_write_text(out_dir / "results.md", results_markdown(rows))
+    if main:
+        atomic_write_json(out_dir / "results.json", rows)
+        atomic_write_text(out_dir / "results.md", results_markdown(rows))
     return rows
 
 

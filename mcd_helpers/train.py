@@ -34,6 +34,12 @@ against a hand-written loop):
 * **Fast path** (config fields, all off by default): ``amp="bf16"`` (autocast, no loss scaling
   needed for bfloat16), ``channels_last``, ``compile`` (G only, ``dynamic=False``: one graph per
   batch shape, compiled once; see :func:`compile_model`), ``data_on_device``.
+* **torchrun**: under ``torchrun`` (a process group initialised, see :mod:`mcd_helpers.distributed`)
+  both stages train through ``DistributedDataParallel`` (``find_unused_parameters=False``,
+  ``forward_sync_buffers=False``, SyncBatchNorm with ``cfg.sync_bn``); each rank takes its
+  ``B / W`` share of every single-process batch, dealt by a ``DistributedSampler`` (labeled and
+  unlabeled streams), so the global batches are those of one process; validation scores are
+  gathered from all ranks, and only rank 0 writes checkpoints. In one process nothing changes.
 """
 from __future__ import annotations
 
@@ -45,9 +51,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .checkpoint import RollingCheckpoint, rng_state, set_rng_state
+from .distributed import broadcast_buffers, gather_scores, is_main_process, make_batches, stage_key, wrap_ddp
 from .engine import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
                      autocast, compile_model, load_stage_state, place, prepare_model, read_back,
                      stop_on_sigterm, take)
@@ -106,9 +114,17 @@ def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_un
 def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor) -> torch.Tensor:
     """Official Step A loss: CE(F1(G(x))) + CE(F2(G(x).detach())), nats; only CE(F1) reaches G.
 
+    Under DDP (``model`` a :class:`DistributedDataParallel` from
+    :func:`mcd_helpers.distributed.wrap_ddp`) the forward goes through the wrapper,
+    ``model(x, detach_f2=True)``: calling ``model.module``'s ``features``/``F1``/``F2`` directly
+    would bypass DDP's ``forward``, which arms the gradient all-reduce, and the ranks would drift
+    apart silently.
+
     Shapes:
         x_sup: ``(N, C, H, W)``; y_sup: ``(N,)`` -> scalar.
     """
+    if isinstance(model, DistributedDataParallel):
+        return supervised_loss(*model(x_sup, detach_f2=True), y_sup)
     feat = model.features(x_sup)  # (N, D)
     return supervised_loss(model.F1(feat), model.F2(feat.detach()), y_sup)
 
@@ -172,19 +188,21 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
         CheckpointMismatchError: (a ValueError) if ``resume`` finds a checkpoint of other settings.
     """
     device = torch.device(cfg.device)
-    prepare_model(model, cfg).train()
-    opt = _sgd(model, cfg.pretrain_lr, cfg.pretrain_momentum, cfg.pretrain_weight_decay)
+    net = prepare_model(model, cfg).train()
+    model = wrap_ddp(net, cfg.device, cfg.sync_bn)  # ``net`` itself in one process; train through ``model``
+    writer = checkpoint if is_main_process() else None  # every rank may read; rank 0 writes
+    opt = _sgd(net, cfg.pretrain_lr, cfg.pretrain_momentum, cfg.pretrain_weight_decay)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(cfg.pretrain_milestones), gamma=0.1)
     x, y = place(x, cfg), place(y, cfg)
     # The order of the first version's loader: drained each epoch, through tqdm.auto (2 iterators).
-    batches = ShuffledBatches(len(x), cfg.pretrain_batch_size, cfg.seed, _PRETRAIN, x.device, iterators=2)
-    steps, key = batches.per_pass, cfg.pretrain_key()
+    batches = make_batches(len(x), cfg.pretrain_batch_size, cfg.seed, _PRETRAIN, x.device, iterators=2)
+    steps, key = batches.per_pass, stage_key(cfg.pretrain_key(), cfg.sync_bn)
     history, epoch_losses, start_epoch, start_step, pending = [], [], 0, 0, []
 
     # ---- resume: model, optimizer, scheduler, RNG states, position, losses so far ----
     state = load_stage_state(checkpoint, resume, "pretrain", key)
     if state is not None:
-        model.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
@@ -192,7 +210,9 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
         history, epoch_losses = state["history"], state["epoch_losses"]
 
     def save(epoch: int, step: int) -> None:
-        checkpoint.save({"stage": "pretrain", "key": key, "config": cfg.to_dict(), "model": model.state_dict(),
+        if writer is None:
+            return
+        writer.save({"stage": "pretrain", "key": key, "config": cfg.to_dict(), "model": net.state_dict(),
                          "optimizer": opt.state_dict(), "scheduler": sched.state_dict(), "rng": rng_state(),
                          "epoch": epoch, "step": step, "history": history, "epoch_losses": epoch_losses})
 
@@ -225,6 +245,7 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
             history.append(sum(epoch_losses) / len(epoch_losses))
             epoch_losses = []
             sched.step()
+            broadcast_buffers(net)  # per-rank BatchNorm statistics: keep rank 0's (the ones saved)
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
@@ -271,30 +292,34 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
     if strategy not in ("separate", "concat"):
         raise ValueError(f"strategy must be 'separate' or 'concat', got {strategy!r}.")
     device, official = torch.device(cfg.device), cfg.schedule == "official"
-    prepare_model(model, cfg).train()
-    opt = _sgd(model, cfg.finetune_lr, cfg.finetune_momentum, cfg.finetune_weight_decay)
+    net = prepare_model(model, cfg).train()
+    model = wrap_ddp(net, cfg.device, cfg.sync_bn)  # ``net`` itself in one process; train through ``model``
+    writer = checkpoint if is_main_process() else None  # every rank may read; rank 0 writes
+    opt = _sgd(net, cfg.finetune_lr, cfg.finetune_momentum, cfg.finetune_weight_decay)
     x_sup, y_sup = place(x_sup, cfg), place(y_sup, cfg)
     x_unsup = place(split.unlabeled().tensors[0], cfg)  # (N_unlabeled, C, H, W)
     # An epoch may stop before the end of a labeled pass (not drained); unlabeled passes run out.
-    sup = ShuffledBatches(len(x_sup), cfg.batch_size_sup, cfg.seed, _SUP, x_sup.device, drained=False)
-    unsup = ShuffledBatches(len(x_unsup), cfg.batch_size_unsup, cfg.seed, _UNSUP, x_unsup.device, drained=True)
+    sup = make_batches(len(x_sup), cfg.batch_size_sup, cfg.seed, _SUP, x_sup.device, drained=False)
+    unsup = make_batches(len(x_unsup), cfg.batch_size_unsup, cfg.seed, _UNSUP, x_unsup.device, drained=True)
     steps = sup.per_pass if cfg.steps_per_epoch <= 0 else min(cfg.steps_per_epoch, sup.per_pass)
     names = ("ce", "dis", "gap") + (("step_a",) if official else ())
-    key = cfg.training_key()
+    key = stage_key(cfg.training_key(), cfg.sync_bn)
     hist, best, best_auroc, start_epoch, start_step, pending = FinetuneHistory(), None, -math.inf, 0, 0, []
 
     # ---- resume: model, optimizer, RNG states, position, history, best weights so far ----
     state = load_stage_state(checkpoint, resume, f"fine-tuning ({strategy})", key)
     if state is not None:
-        model.load_state_dict(state["model"])
+        net.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         set_rng_state(state["rng"])
         start_epoch, start_step = state["epoch"], state["step"]
         hist, best, best_auroc = FinetuneHistory(**state["history"]), state["best_model"], state["best_auroc"]
 
     def save(epoch: int, step: int) -> None:
-        checkpoint.save({"stage": f"fine-tuning ({strategy})", "key": key, "config": cfg.to_dict(),
-                         "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
+        if writer is None:
+            return
+        writer.save({"stage": f"fine-tuning ({strategy})", "key": key, "config": cfg.to_dict(),
+                         "model": net.state_dict(), "optimizer": opt.state_dict(), "scheduler": None,
                          "rng": rng_state(), "epoch": epoch, "step": step, "history": dataclasses.asdict(hist),
                          "best_auroc": best_auroc, "best_model": best})
 
@@ -338,16 +363,18 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
             start_step = 0
             log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
             # ---- model selection on the validation split ----
-            val = ood_metrics(discrepancy_score(*predict_logits(model, split.val_id_x, cfg.eval_batch_size, device)),
-                              discrepancy_score(*predict_logits(model, split.val_ood_x, cfg.eval_batch_size, device)))
+            broadcast_buffers(net)  # every rank scores with rank 0's BatchNorm statistics
+            scores = [discrepancy_score(*gather_scores(lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
+                      for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
+            val = ood_metrics(*scores)
             hist.val_auroc.append(val["auroc"])
             if val["auroc"] > best_auroc:
                 best_auroc, hist.best_epoch = val["auroc"], epoch
-                best = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best = {k: v.detach().clone() for k, v in net.state_dict().items()}
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
                     raise TrainingInterrupted(f"SIGTERM at the end of {stage}; saved in {checkpoint.folder}.")
     if best is not None:
-        model.load_state_dict(best)
+        net.load_state_dict(best)
     return hist

@@ -1,0 +1,366 @@
+"""Small DDP experiments on two forwards per step, each run under ``torchrun`` (notebook 06, tests).
+
+Run one case on 2 CPU processes (Gloo) and print every rank's result::
+
+    python -m mcd_helpers.ddp_demo parity find-unused    # launches torchrun itself
+    torchrun --standalone --nproc_per_node=2 -m mcd_helpers.ddp_demo parity --out DIR   # the same
+
+Cases (each a function below, run on every rank; results are JSON-able dicts, one per rank):
+
+* ``parity``: one official MCD iteration (Step A, then Step B) in float64, under DDP with the
+  chosen settings (:func:`mcd_helpers.distributed.wrap_ddp`), against single-process steps on
+  the same global batches; per norm (``none``, ``batch``) and strategy.
+* ``find-unused``: ``find_unused_parameters=True`` with Step B's two forwards.
+* ``broadcast-buffers``: ``forward_sync_buffers=True`` (the old ``broadcast_buffers=True``,
+  DDP's default), train-mode BatchNorm, two forwards.
+* ``sync-bn-cpu``: SyncBatchNorm in training on the CPU.
+* ``step-a-bypass``: Step A called on the inner module (``net.features``/``net.F1``), not
+  through DDP's ``forward``.
+* ``chosen``: the chosen settings for several iterations with BatchNorm and both strategies.
+* ``engine``: :func:`mcd_helpers.train.finetune` itself (2 epochs of the official schedule,
+  model selection included) under ``torchrun``, float64, no BatchNorm: the parameters to compare
+  with the same call in one process (:func:`engine_setup`).
+
+A case that raises records ``{"error": type name, "message": ...}`` for that rank instead of
+crashing, so the pitfalls can be read back and asserted; DDP's warnings are kept under
+``"warnings"``. Collectives run with a 60 s timeout, so a
+rank whose partner died ends instead of hanging.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from .distributed import TwoForwardModes, all_ranks_equal, barrier, broadcast_buffers, cleanup, init_distributed, wrap_ddp
+from .losses import supervised_loss
+from .models import small_cnn
+from .train import step_b_loss
+
+__all__ = ["CASES", "QUICK_FLAGS", "launch", "launch_reproduction", "tiny_model", "global_batches", "engine_setup",
+           "engine_gap", "code_tag"]
+
+B, K, HW = 4, 3, 8  # per-rank batch, classes, image side: seconds per case on a CPU
+MARGIN, LR = 1.2, 0.1
+# With K = 3 classes an entropy is at most log 3 = 1.10 nats < MARGIN, so the discrepancy hinge is
+# active on every batch: the mean of per-shard hinges equals the hinge of the global mean.
+assert math.log(K) < MARGIN
+
+
+def tiny_model(norm: str) -> nn.Module:
+    """``small_cnn`` of width 4 on ``(N, 1, 8, 8)`` images, K = 3, float64, seeded identically on every rank."""
+    torch.manual_seed(0)
+    return small_cnn(1, K, norm=norm, width=4).double()
+
+
+def global_batches(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The global batches ``x_sup (W*B, 1, 8, 8)``, ``y_sup (W*B,)``, ``x_unsup (W*B, 1, 8, 8)``, float64."""
+    g = torch.Generator().manual_seed(1)
+    n = world * B
+    x_sup = torch.randn(n, 1, HW, HW, generator=g, dtype=torch.float64)
+    y_sup = torch.randint(0, K, (n,), generator=g)
+    x_unsup = 2 * torch.randn(n, 1, HW, HW, generator=g, dtype=torch.float64)
+    return x_sup, y_sup, x_unsup
+
+
+def _sgd(model: nn.Module) -> torch.optim.SGD:
+    return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
+
+
+def _iteration(model: nn.Module, opt, shards, strategy: str, step_a_forward) -> None:
+    """One official iteration on ``shards`` (a list of ``(x_sup, y_sup, x_unsup)``), mean of shard losses.
+
+    ``step_a_forward(x)`` returns Step A's ``(logits1, logits2)``. One shard = what a DDP rank does;
+    several shards = the single-process mean of the per-rank losses (what DDP's averaged
+    gradient equals).
+    """
+    opt.zero_grad(set_to_none=True)
+    loss_a = sum(supervised_loss(*step_a_forward(xs), ys) for xs, ys, _ in shards) / len(shards)
+    loss_a.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    loss_b = sum(step_b_loss(model, xs, ys, xu, strategy, MARGIN)[0] for xs, ys, xu in shards) / len(shards)
+    loss_b.backward()
+    opt.step()
+
+
+def _max_diff(a: nn.Module, b: nn.Module) -> float:
+    return max(float((p - q).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _buffers_diff(a: nn.Module, b: nn.Module) -> float:
+    diffs = [float((p.double() - q.double()).abs().max()) for p, q in zip(a.buffers(), b.buffers())]
+    return max(diffs, default=0.0)
+
+
+def case_parity(rank: int, world: int) -> dict:
+    """DDP (chosen settings) vs single-process, one official iteration each, float64."""
+    xs_all, ys_all, xu_all = global_batches(world)
+    shards = [(xs_all[r * B:(r + 1) * B], ys_all[r * B:(r + 1) * B], xu_all[r * B:(r + 1) * B]) for r in range(world)]
+    out = {}
+    for norm in ("none", "batch"):
+        for strategy in ("separate", "concat"):
+            net = tiny_model(norm)
+            ref_global, ref_shards = copy.deepcopy(net), copy.deepcopy(net)
+            ddp = wrap_ddp(net, "cpu")
+            _iteration(ddp, _sgd(ddp), [shards[rank]], strategy, lambda x: ddp(x, detach_f2=True))
+            # single process, the global batch in one piece (what "the same global batches" means)
+            fwd = TwoForwardModes(ref_global)
+            _iteration(ref_global, _sgd(ref_global), [(xs_all, ys_all, xu_all)], strategy,
+                       lambda x: fwd(x, detach_f2=True))
+            # single process, the mean of the per-rank losses, each shard forwarded on its own
+            fwd_s = TwoForwardModes(ref_shards)
+            _iteration(ref_shards, _sgd(ref_shards), shards, strategy, lambda x: fwd_s(x, detach_f2=True))
+            out[f"{norm}/{strategy}"] = {
+                "ddp_vs_global": _max_diff(net, ref_global),
+                "ddp_vs_per_shard": _max_diff(net, ref_shards),
+                "replicas": all_ranks_equal(net),
+                "buffers_vs_global": _buffers_diff(net, ref_global),
+                "params": {k: v.reshape(-1).tolist() for k, v in net.state_dict().items()} if rank == 0 else None,
+            }
+    return out
+
+
+def _separate_steps(ddp: nn.Module, steps: int, strategy: str = "separate") -> None:
+    xs, ys, xu = global_batches(1)
+    opt = _sgd(ddp)
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        step_b_loss(ddp, xs, ys, xu, strategy, MARGIN)[0].backward()
+        opt.step()
+
+
+def case_find_unused(rank: int, world: int) -> dict:
+    """``find_unused_parameters=True`` with Step B's two forwards, three iterations."""
+    net = tiny_model("none")
+    ddp = DDP(TwoForwardModes(net), find_unused_parameters=True, forward_sync_buffers=False)
+    _separate_steps(ddp, 3)
+    return {"ok": True, "replicas": all_ranks_equal(net)}
+
+
+def case_broadcast_buffers(rank: int, world: int) -> dict:
+    """``forward_sync_buffers=True`` (DDP's default) with train-mode BatchNorm and two forwards."""
+    net = tiny_model("batch")
+    ddp = DDP(TwoForwardModes(net), find_unused_parameters=False, forward_sync_buffers=True)
+    _separate_steps(ddp, 2)
+    return {"ok": True, "replicas": all_ranks_equal(net)}
+
+
+def case_sync_bn_cpu(rank: int, world: int) -> dict:
+    """SyncBatchNorm in training mode on the CPU (the module, without DDP)."""
+    net = nn.SyncBatchNorm.convert_sync_batchnorm(tiny_model("batch"))
+    net(global_batches(1)[0])
+    return {"ok": True}
+
+
+def case_step_a_bypass(rank: int, world: int) -> dict:
+    """Step A on the inner module under DDP: its gradients are never all-reduced."""
+    net = tiny_model("none")
+    ddp = wrap_ddp(net, "cpu")
+    xs, ys, _ = global_batches(world)
+    xs, ys = xs[rank * B:(rank + 1) * B], ys[rank * B:(rank + 1) * B]
+    opt = _sgd(ddp)
+    feat = net.features(xs)  # bypasses DDP.forward
+    supervised_loss(net.F1(feat), net.F2(feat.detach()), ys).backward()
+    opt.step()
+    bypass = all_ranks_equal(net)
+    opt.zero_grad(set_to_none=True)
+    supervised_loss(*ddp(xs, detach_f2=True), ys).backward()  # through DDP: the update is shared
+    opt.step()
+    return {"after_bypass": bypass, "after_wrapped": all_ranks_equal(net)}
+
+
+def case_chosen(rank: int, world: int) -> dict:
+    """Chosen settings, train-mode BatchNorm, 3 official iterations per strategy."""
+    out = {}
+    xs_all, ys_all, xu_all = global_batches(world)
+    shard = (xs_all[rank * B:(rank + 1) * B], ys_all[rank * B:(rank + 1) * B], xu_all[rank * B:(rank + 1) * B])
+    for strategy in ("separate", "concat"):
+        net = tiny_model("batch")
+        ddp = wrap_ddp(net, "cpu")
+        opt = _sgd(ddp)
+        for _ in range(3):
+            _iteration(ddp, opt, [shard], strategy, lambda x: ddp(x, detach_f2=True))
+        mean = net.G[1].running_mean.clone()
+        others = [torch.empty_like(mean) for _ in range(world)]
+        dist.all_gather(others, mean)
+        before = max(float((o - mean).abs().max()) for o in others)
+        broadcast_buffers(net)
+        dist.all_gather(others, net.G[1].running_mean)
+        after = max(float((o - net.G[1].running_mean).abs().max()) for o in others)
+        out[strategy] = {"replicas": all_ranks_equal(net), "running_mean_spread": before,
+                         "running_mean_spread_after_broadcast": after,
+                         "num_batches_tracked": int(net.G[1].num_batches_tracked)}
+    return out
+
+
+def engine_setup():
+    """Data, split and config of case ``engine``: 48 labeled images, 24 + 24 test ID/OOD, batches of 8.
+
+    Returns ``(x_sup (48, 1, 8, 8), y_sup (48,), split, cfg)``, float64; 6 iterations per epoch, 2 epochs.
+    """
+    from .config import MCDConfig
+    from .data import transductive_split
+
+    g = torch.Generator().manual_seed(2)
+    x_sup = torch.randn(48, 1, HW, HW, generator=g, dtype=torch.float64)
+    y_sup = torch.randint(0, K, (48,), generator=g)
+    id_x = torch.randn(30, 1, HW, HW, generator=g, dtype=torch.float64)
+    id_y = torch.randint(0, K, (30,), generator=g)
+    ood_x = 2 * torch.randn(30, 1, HW, HW, generator=g, dtype=torch.float64)
+    split = transductive_split(id_x, id_y, ood_x, n_val=6, seed=3)
+    cfg = MCDConfig(norm="none", finetune_epochs=2, batch_size_sup=8, batch_size_unsup=8, finetune_lr=LR,
+                    margin=MARGIN, checkpoint_every=0, eval_batch_size=16)
+    return x_sup, y_sup, split, cfg
+
+
+def case_engine(rank: int, world: int) -> dict:
+    """``train.finetune`` under DDP (no BatchNorm, float64), both strategies: parameters and history."""
+    from .train import finetune
+
+    x_sup, y_sup, split, cfg = engine_setup()
+    out = {}
+    for strategy in ("separate", "concat"):
+        net = tiny_model("none")
+        hist = finetune(net, x_sup, y_sup, split, cfg, strategy, progress=False)
+        out[strategy] = {"replicas": all_ranks_equal(net), "val_auroc": hist.val_auroc,
+                         "params": {k: v.reshape(-1).tolist() for k, v in net.state_dict().items()}}
+    return out
+
+
+def engine_gap(rank_result: dict, strategy: str) -> float:
+    """Largest ``|parameter|`` difference between case ``engine``'s DDP result for ``strategy`` and the
+    same :func:`mcd_helpers.train.finetune` call run here, in one process (float64)."""
+    from .train import finetune
+
+    x_sup, y_sup, split, cfg = engine_setup()
+    net = tiny_model("none")
+    finetune(net, x_sup, y_sup, split, cfg, strategy, progress=False)
+    return max(float((torch.tensor(rank_result[strategy]["params"][k], dtype=torch.float64) - v.reshape(-1)).abs().max())
+               for k, v in net.state_dict().items())
+
+
+def code_tag(*parts: str) -> str:
+    """A short hash of ``parts`` and of the source of the modules that compute this module's results.
+
+    Notebook 06 names its cached results with it, so they are recomputed when the code changes.
+    """
+    import hashlib
+
+    here = Path(__file__).resolve().parent
+    blob = "\0".join(parts).encode() + b"".join(
+        (here / f"{m}.py").read_bytes() for m in ("ddp_demo", "distributed", "train", "engine", "reproduce", "losses",
+                                                  "models", "config", "presets", "data"))
+    return hashlib.sha1(blob).hexdigest()[:10]
+
+
+CASES = {"parity": case_parity, "find-unused": case_find_unused, "broadcast-buffers": case_broadcast_buffers,
+         "sync-bn-cpu": case_sync_bn_cpu, "step-a-bypass": case_step_a_bypass, "chosen": case_chosen,
+         "engine": case_engine}
+
+
+def _run_rank(cases: list[str], out: Path) -> None:
+    env, _ = init_distributed("cpu", timeout_s=60)
+    torch.set_num_threads(1)
+    results = {}
+    for case in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                result = CASES[case](env.rank, env.world_size)
+            except Exception as err:  # recorded, so that the notebook and the tests can read the pitfall back
+                result = {"error": type(err).__name__, "message": str(err).strip().splitlines()[0][:300]}
+        result["warnings"] = sorted({str(w.message).splitlines()[0][:200] for w in caught
+                                     if "ddp" in str(w.message).lower() or "find_unused" in str(w.message)})
+        results[case] = result
+        barrier()  # the next case starts together on every rank
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{env.rank}.json").write_text(json.dumps(results, indent=1))
+    cleanup()
+
+
+def launch(cases, nprocs: int = 2, timeout_s: float = 300) -> dict[str, list[dict]]:
+    """Run ``cases`` (a name or a list) in one ``torchrun --standalone --nproc_per_node=nprocs`` (Gloo).
+
+    Returns ``{case: [rank 0's dict, rank 1's dict, ...]}``. The cases run one after another in
+    the same process group (starting torchrun costs seconds); a case that raises on every rank
+    before any collective leaves the group usable for the next one.
+
+    Raises:
+        ValueError: on an unknown case.
+        RuntimeError: if torchrun fails without the ranks writing results (its output attached).
+    """
+    cases = [cases] if isinstance(cases, str) else list(cases)
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise ValueError(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}.")
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+               "-m", "mcd_helpers.ddp_demo", *cases, "--out", tmp]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        files = [Path(tmp) / f"rank{r}.json" for r in range(nprocs)]
+        if not all(f.exists() for f in files):
+            raise RuntimeError(f"torchrun exited with {proc.returncode} without results:\n{proc.stderr[-3000:]}")
+        per_rank = [json.loads(f.read_text()) for f in files]
+    return {case: [r[case] for r in per_rank] for case in cases}
+
+
+# A CPU-minute reproduction (notebook 06's quick mode and tests/test_distributed.py): Fashion-MNIST
+# subsets, 1 pre-training epoch, 15 fine-tuning iterations per strategy, Gaussian noise as OOD.
+QUICK_FLAGS = ["--preset", "quick", "--ood-sets", "gaussian", "--strategies", "separate,concat",
+               "--train-subset", "2000", "--test-subset", "1200", "--pretrain-epochs", "1", "--pretrain-milestones",
+               "1", "--steps-per-epoch", "15", "--n-val", "200", "--ood-size", "1000", "--checkpoint-every", "0"]
+
+
+def launch_reproduction(out: Path, flags: list[str], nprocs: int = 2, timeout_s: float = 1800) -> tuple[list[dict], float]:
+    """Run ``python -m mcd_helpers reproduce --out OUT FLAGS`` on ``nprocs`` processes; return (rows, seconds).
+
+    ``nprocs > 1``: under ``torchrun --standalone --nproc_per_node=nprocs`` (Gloo on the CPU);
+    ``nprocs == 1``: a plain process. Each rank gets ``OMP_NUM_THREADS = max(1, cores // nprocs)``.
+
+    Raises:
+        RuntimeError: when the command exits non-zero (the tail of its output attached).
+    """
+    import time
+
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", "-m"]
+                if nprocs > 1 else [sys.executable, "-m"])
+    cmd = launcher + ["mcd_helpers", "reproduce", "--out", str(out), "--quiet", *flags]
+    threads = max(1, (os.cpu_count() or 1) // nprocs)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    t0 = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    seconds = time.time() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return json.loads((Path(out) / "results.json").read_text()), seconds
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("cases", nargs="+", choices=sorted(CASES))
+    parser.add_argument("--out", type=Path, default=None, help="folder for rank<R>.json (set: run as one rank)")
+    args = parser.parse_args(argv)
+    if args.out is not None or "RANK" in os.environ:
+        _run_rank(args.cases, args.out or Path(tempfile.mkdtemp()))
+    else:
+        for case, per_rank in launch(args.cases).items():
+            for rank, result in enumerate(per_rank):
+                print(f"{case} rank {rank}: {json.dumps(result)}")
+
+
+if __name__ == "__main__":
+    main()

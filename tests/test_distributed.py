@@ -1,0 +1,230 @@
+"""DDP with two forwards per step (mcd_helpers.distributed, mcd_helpers.ddp_demo): CPU, Gloo, 2 processes.
+
+The 2-process cases run once, in one ``torchrun`` launch (module fixture, ~15-30 s); each test
+then checks one result against a value computed here independently: the single-process step
+written out by hand in float64, brute-force shards, or torch's own error.
+
+Why the single-process reference is a step on the *global* batch: DDP averages the gradients over
+the W ranks, so one DDP step equals one step on (1/W) sum_r L_r, the mean of the per-rank losses.
+Each L_r is a batch mean over B samples; for cross-entropy the mean of W such means over equal
+shards is the mean over all W*B samples. The discrepancy loss max(m - mean gap, 0) is linear while
+its hinge is active; with K = 3 classes H <= log 3 = 1.10 nats < m = 1.2, so it is active on every
+batch and the mean of the per-shard hinges equals the hinge of the global mean. Hence, without
+BatchNorm, DDP = one single-process step on the global batch.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mcd_helpers import ddp_demo
+from mcd_helpers.distributed import (DistEnv, ShardedBatches, TwoForwardModes, check_sync_bn, dist_env,
+                                     gather_scores, local_batch_size, shard_bounds, unwrap, wrap_ddp)
+from mcd_helpers.engine import ShuffledBatches
+
+CASES = ["parity", "find-unused", "broadcast-buffers", "sync-bn-cpu", "step-a-bypass", "chosen", "engine"]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return ddp_demo.launch(CASES, nprocs=2)
+
+
+# ---- the single-process step, written out independently of mcd_helpers.train ----
+
+def _entropy(logits):
+    p = torch.softmax(logits, dim=1)
+    return -(p * torch.log(p)).sum(dim=1)  # (N,), nats, over classes
+
+
+def _reference_step(norm: str, strategy: str) -> dict:
+    """One official iteration (Step A, Step B) on the global batch of 2 ranks, float64, by hand."""
+    net = ddp_demo.tiny_model(norm)
+    xs, ys, xu = ddp_demo.global_batches(2)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    feat = net.G(xs)  # Step A: F2 on detached features
+    loss_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys)
+    opt.zero_grad()
+    loss_a.backward()
+    opt.step()
+    if strategy == "separate":
+        (l1s, l2s), (l1u, l2u) = net(xs), net(xu)
+    else:
+        l1, l2 = net(torch.cat([xs, xu]))
+        l1s, l1u, l2s, l2u = l1[:len(xs)], l1[len(xs):], l2[:len(xs)], l2[len(xs):]
+    gap = (_entropy(l1u) - _entropy(l2u)).mean()
+    loss_b = F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys) + torch.clamp(1.2 - gap, min=0)
+    opt.zero_grad()
+    loss_b.backward()
+    opt.step()
+    return {k: v.reshape(-1) for k, v in net.state_dict().items()}
+
+
+def _max_param_diff(ddp_params: dict, ref: dict) -> float:
+    names = [n for n in ref if "running" not in n and "num_batches" not in n]
+    return max(float((torch.tensor(ddp_params[n], dtype=torch.float64) - ref[n]).abs().max()) for n in names)
+
+
+def test_hinge_is_active_for_three_classes():
+    assert math.log(3) < 1.2  # the premise of the reference above
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
+def test_parity_without_batchnorm(results, strategy):
+    ddp = results["parity"][0][f"none/{strategy}"]
+    assert _max_param_diff(ddp["params"], _reference_step("none", strategy)) < 1e-10
+    assert ddp["ddp_vs_global"] < 1e-10 and results["parity"][1][f"none/{strategy}"]["replicas"] == 0.0
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
+def test_train_mode_batchnorm_breaks_parity(results, strategy):
+    ddp = results["parity"][0][f"batch/{strategy}"]
+    diff = _max_param_diff(ddp["params"], _reference_step("batch", strategy))
+    assert diff > 1e-3  # per-rank statistics over B = 4 samples, not over the global 8
+    assert ddp["ddp_vs_global"] == pytest.approx(diff, rel=1e-6)
+    assert ddp["buffers_vs_global"] > 1e-3  # running statistics differ as well
+    # ... but DDP equals, exactly, the single-process mean of per-shard losses ("ghost batches")
+    assert ddp["ddp_vs_per_shard"] < 1e-10 and ddp["replicas"] == 0.0
+
+
+def test_sync_batchnorm_is_gpu_only(results):
+    """SyncBatchNorm (what would restore BatchNorm parity) raises in training on CPU in this torch."""
+    for rank in results["sync-bn-cpu"]:
+        assert rank["error"] == "ValueError" and "expected input tensor to be on GPU" in rank["message"]
+    with pytest.raises(NotImplementedError):  # its statistics kernel has no CPU implementation
+        torch.batch_norm_stats(torch.randn(4, 3, 2, 2), 1e-5)
+    with pytest.raises(ValueError, match="--sync-bn needs GPUs"):
+        check_sync_bn("cpu")
+
+
+def test_find_unused_parameters_true_runs_in_this_torch(results):
+    """Measured: with both forwards using every parameter, True neither raises nor warns."""
+    for rank in results["find-unused"]:
+        assert rank.get("error") is None and rank["ok"] and rank["replicas"] == 0.0
+
+
+def test_broadcast_buffers_true_runs_on_cpu(results):
+    """Measured: CPU batch norm does not save running buffers for backward, so no in-place error."""
+    for rank in results["broadcast-buffers"]:
+        assert rank.get("error") is None and rank["ok"] and rank["replicas"] == 0.0
+
+
+def test_step_a_on_the_inner_module_desynchronises_the_ranks(results):
+    r0, r1 = results["step-a-bypass"]
+    assert r0["after_bypass"] > 1e-3  # no all-reduce: each rank stepped on its own gradient
+    assert r0["after_wrapped"] > 1e-3  # DDP never re-syncs parameters: the drift stays
+    assert r0 == r1  # both ranks measured the same spread (it is all-reduced)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
+def test_chosen_settings_run_and_keep_replicas_equal(results, strategy):
+    for rank in results["chosen"]:
+        r = rank[strategy]
+        assert r["replicas"] == 0.0
+        assert r["running_mean_spread"] > 1e-4 and r["running_mean_spread_after_broadcast"] == 0.0
+        # 3 iterations x (Step A: 1 forward + Step B: 2 separate forwards or 1 concat forward)
+        assert r["num_batches_tracked"] == (9 if strategy == "separate" else 6)
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
+def test_engine_finetune_under_ddp_equals_single_process(results, strategy):
+    """mcd_helpers.train.finetune itself on 2 ranks (12 iterations of Step A + Step B, validation,
+    model selection) = the same call in this single process, float64, no BatchNorm."""
+    from mcd_helpers.train import finetune
+
+    x_sup, y_sup, split, cfg = ddp_demo.engine_setup()
+    net = ddp_demo.tiny_model("none")
+    hist = finetune(net, x_sup, y_sup, split, cfg, strategy, progress=False)
+    ref = {k: v.reshape(-1) for k, v in net.state_dict().items()}
+    ref_init = {k: v.reshape(-1) for k, v in ddp_demo.tiny_model("none").state_dict().items()}
+    for rank in results["engine"]:
+        r = rank[strategy]
+        assert r["replicas"] == 0.0
+        assert _max_param_diff(r["params"], ref) < 1e-10
+        assert _max_param_diff(r["params"], ref_init) > 1e-2  # it did train
+        assert r["val_auroc"] == pytest.approx(hist.val_auroc, abs=1e-12) and len(r["val_auroc"]) == 2
+
+
+# ---- single-process units ----
+
+def test_dist_env_reads_torchrun_variables():
+    assert dist_env({}) == DistEnv(0, 1, 0) and not dist_env({}).distributed
+    env = dist_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.distributed) == (3, 4, 1, True)
+    with pytest.raises(ValueError, match="torchrun"):
+        dist_env({"RANK": "0"})
+    with pytest.raises(ValueError, match="must lie in"):
+        dist_env({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0"})
+
+
+def test_local_batch_size():
+    assert local_batch_size(128, 2) == 64
+    with pytest.raises(ValueError, match="multiple"):
+        local_batch_size(130, 4)
+
+
+@pytest.mark.parametrize("n,w", [(10, 3), (9, 3), (2, 4), (1001, 2)])
+def test_shard_bounds_match_numpy_array_split(n, w):
+    expected = [(int(a[0]), int(a[-1]) + 1) if len(a) else None for a in np.array_split(np.arange(n), w)]
+    for r in range(w):
+        start, stop = shard_bounds(n, r, w)
+        assert (start, stop) == expected[r] or (expected[r] is None and start == stop)
+
+
+@pytest.mark.parametrize("drained", [True, False])
+def test_sharded_batches_deal_each_single_process_batch_to_the_ranks(drained):
+    """Rank r's batch i = positions i*B + r, i*B + r + W, ... of the pass's permutation, and the
+    W ranks' batches together = the single-process batch i (so the global batch, the data order
+    and the reshuffle per pass are the single-process run's)."""
+    n, b, w = 23, 4, 2
+    one = ShuffledBatches(n, b, seed=5, stream=1, drained=drained)
+    ranks = [ShardedBatches(ShuffledBatches(n, b, seed=5, stream=1, drained=drained), rank=r, world_size=w)
+             for r in range(w)]
+    assert ranks[0].per_pass == one.per_pass == 5 and ranks[0].batch_size == 2
+    for p in (0, 1, 2):
+        perm = one.permutation(p).tolist()  # the single-process order of pass p
+        for i in range(one.per_pass):
+            for r in range(w):
+                assert ranks[r].batch(p, i).tolist() == perm[i * b + r:(i + 1) * b:w]  # by hand
+            union = sorted(sum((ranks[r].batch(p, i).tolist() for r in range(w)), []))
+            assert union == sorted(one.batch(p, i).tolist())
+    assert one.permutation(0).tolist() != one.permutation(1).tolist()  # every pass reshuffles
+    assert torch.equal(ranks[1].batch_at(7), ranks[1].batch(1, 2))
+    with pytest.raises(ValueError, match="multiple"):
+        ShardedBatches(ShuffledBatches(n, 5, seed=5), rank=0, world_size=2)
+
+
+def test_single_process_helpers_are_identity():
+    net = ddp_demo.tiny_model("none")
+    assert wrap_ddp(net, "cpu") is net and unwrap(net) is net
+    x = torch.randn(5, 1, 8, 8, dtype=torch.float64)
+    assert torch.equal(gather_scores(lambda t: t.sum(dim=(1, 2, 3)), x), x.sum(dim=(1, 2, 3)))
+
+
+def test_two_forward_modes_step_a_detaches_f2_only():
+    net = ddp_demo.tiny_model("none")
+    fwd = TwoForwardModes(net)
+    x = torch.randn(4, 1, 8, 8, dtype=torch.float64)
+    l1, l2 = fwd(x, detach_f2=True)
+    l2.sum().backward()  # F2's loss must not reach G
+    assert all(p.grad is None for p in net.G.parameters()) and net.F2.weight.grad is not None
+    torch.testing.assert_close(fwd(x), net(x), rtol=0, atol=0)
+
+
+# ---- the reproduction under torchrun (needs the engine integration: train.py / reproduce.py) ----
+
+@pytest.fixture(scope="module")
+def repro_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp_repro")
+    return {n: ddp_demo.launch_reproduction(root / f"nproc{n}", ddp_demo.QUICK_FLAGS, nprocs=n)[0] for n in (1, 2)}
+
+
+def test_reproduction_under_torchrun_matches_single_process_quality(repro_runs):
+    one, two = repro_runs[1], repro_runs[2]
+    assert [(r["method"], r["strategy"]) for r in one] == [(r["method"], r["strategy"]) for r in two]
+    assert {r["world_size"] for r in two} == {2} and {r["world_size"] for r in one} == {1}
+    for a, b in zip(one, two):
+        if a["method"] == "mcd":  # both strategies under DDP reach the single-process quality
+            assert min(a["auroc"], b["auroc"]) > 0.95 and abs(a["auroc"] - b["auroc"]) < 0.02
