@@ -32,17 +32,12 @@ FINETUNE_STEPS = 8  # per epoch
 STAGE = Path("checkpoints") / "mcd-gaussian-separate"
 
 # Runs the CLI after wrapping mcd_helpers.train.<name> so that its k-th call sends <signal> first.
-DRIVER = """
-import os, signal, sys
+DRIVER = f"""
+import signal, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import mcd_helpers.train as train
-name, k, sig = sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3])
-original, calls = getattr(train, name), [0]
-def counted(*args, **kwargs):
-    calls[0] += 1
-    if calls[0] == k:
-        os.kill(os.getpid(), sig)
-    return original(*args, **kwargs)
-setattr(train, name, counted)
+from signal_on_call import signal_on_call
+signal_on_call(train, sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3]))
 from mcd_helpers.__main__ import main
 sys.exit(main(sys.argv[4:]))
 """

@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import mcd_helpers.train as train
+from signal_on_call import signal_on_call
 from mcd_helpers.checkpoint import RollingCheckpoint
 from mcd_helpers.config import MCDConfig
 from mcd_helpers.data import transductive_split
@@ -44,14 +45,7 @@ def _model(seed: int = 0, **kw) -> TwoHeadNet:
 
 def _signal_on_call(monkeypatch, name: str, k: int, sig=signal.SIGTERM) -> None:
     """Make the k-th call of ``mcd_helpers.train.<name>`` send ``sig`` to this process first."""
-    original, calls = getattr(train, name), [0]
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == k:
-            os.kill(os.getpid(), sig)
-        return original(*args, **kwargs)
-    monkeypatch.setattr(train, name, counted)
+    signal_on_call(train, name, k, sig, setattr_=monkeypatch.setattr)
 
 
 def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
