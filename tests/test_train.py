@@ -4,7 +4,6 @@ Tiny settings: ``small_cnn`` on 12x12 random images, 5 fine-tuning steps per epo
 """
 import dataclasses
 import itertools
-import os
 import signal
 
 import pytest
