@@ -150,9 +150,11 @@ class NotebookPage:
                 return snap
             if time.monotonic() > deadline:
                 todo = [c for c in code if c["count"] is None] or [{"index": None, "head": ""}]
+                done = sorted((c for c in code if c["seconds"]), key=lambda c: -c["seconds"])[:3]
                 raise AssertionError(f"{self.name}: Run All not finished after {timeout_s:.0f} s (kernel "
                                      f"{snap['kernel']}; first cell not done: {todo[0]['index']}, "
-                                     f"{todo[0]['head']!r})")
+                                     f"{todo[0]['head']!r}; slowest done: "
+                                     + ", ".join(f"cell {c['index']} {c['seconds']:.0f} s" for c in done) + ")")
 
     def wait_idle(self, timeout_s: float = 120):
         deadline = time.monotonic() + timeout_s
