@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 5 minutes
+    python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 10 minutes
     python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
     python -m mcd_helpers reproduce --list-presets
     torchrun --standalone --nproc_per_node=2 -m mcd_helpers reproduce --preset quick --out runs/ddp   # DDP, CPU
@@ -73,7 +73,7 @@ _FIELD_HELP = {
 
 def _parse_tuple(kind):
     def parse(text: str):
-        return tuple(kind(v) for v in text.split(",") if v.strip())
+        return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
     return parse
 
 
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
     from .checkpoint import CorruptCheckpointError
+    from .data import DataNotFoundError
     from .reproduce import run_reproduction
     from .engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     except (NonFiniteLossError, CorruptCheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except CheckpointMismatchError as err:
+    except (CheckpointMismatchError, DataNotFoundError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

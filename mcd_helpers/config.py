@@ -8,9 +8,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 
-from .data import OFFLINE_OOD_SETS
+import torch
+
+from .data import ID_DATASETS, OFFLINE_OOD_SETS
+
+
+def _cifar_ood_sets() -> tuple[str, ...]:
+    from .cifar import CIFAR_OOD_SETS  # imported late: cifar imports data, which config needs first
+    return CIFAR_OOD_SETS
 
 __all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS"]
 
@@ -18,7 +26,9 @@ STRATEGIES = ("separate", "concat")
 SCHEDULES = ("official", "step_b")
 AMP_MODES = ("none", "bf16")
 # Fields that say how to run, not what to compute: they may change between an interrupted run and
-# its resume. (On CPU they leave the numbers unchanged; on a GPU they change them only by rounding.)
+# its resume. The resumed numbers are exactly those of an uninterrupted run when these stay as they
+# were; num_threads, eval_batch_size and the GPU options change them only at float rounding level
+# (another reduction order; measured ~1e-7 on gradients between 1 and 2 CPU threads).
 # sync_bn changes the numbers only under torchrun, where the stage keys carry it anyway
 # (mcd_helpers.distributed.stage_key), so it stays out of the hash of single-process runs.
 RUN_FIELDS = ("sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
@@ -100,13 +110,50 @@ class MCDConfig:
                                          f"got {self.checkpoint_every}"),
             (self.train_subset >= 0, f"train_subset must be >= 0 (0 = all training images), got {self.train_subset}"),
             (self.test_subset >= 0, f"test_subset must be >= 0 (0 = the whole test set), got {self.test_subset}"),
+            (self.id_dataset in ID_DATASETS, f"id_dataset must be one of {ID_DATASETS}, got {self.id_dataset!r}"),
+            (self.model == "small_cnn" or self.norm == "batch",
+             f"norm={self.norm!r} applies to small_cnn only; {self.model} always uses BatchNorm (leave norm=batch)"),
+            (self.n_val >= 1, f"n_val must be >= 1 validation sample of each of ID and OOD (official: 1000), got {self.n_val}"),
+            (self.ood_size >= 1, f"ood_size must be >= 1 generated OOD image, got {self.ood_size}"),
+            (self.pretrain_epochs >= 1, f"pretrain_epochs must be >= 1, got {self.pretrain_epochs}"),
+            (self.finetune_epochs >= 1, f"finetune_epochs must be >= 1, got {self.finetune_epochs}"),
+            (self.steps_per_epoch >= 0, f"steps_per_epoch must be >= 0 (0 = a full pass), got {self.steps_per_epoch}"),
+            (self.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            (math.isfinite(self.margin), f"margin must be a finite number of nats, got {self.margin}"),
+            (self.num_threads >= 0, f"num_threads must be >= 0 (0 = PyTorch's default), got {self.num_threads}"),
         ]
+        for name in ("pretrain_lr", "finetune_lr"):
+            value = getattr(self, name)
+            checks.append((math.isfinite(value) and value > 0, f"{name} must be a positive number, got {value}"))
+        for name in ("pretrain_momentum", "finetune_momentum", "pretrain_weight_decay", "finetune_weight_decay"):
+            value = getattr(self, name)
+            ok = math.isfinite(value) and value >= 0 and (value < 1 or "decay" in name)
+            checks.append((ok, f"{name} must be {'in [0, 1)' if 'momentum' in name else '>= 0'}, got {value}"))
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            checks.append((False, f"device must be a torch device such as cpu or cuda, got {self.device!r}"))
+        else:
+            checks.append((device.type in ("cpu", "cuda", "mps", "xpu"),
+                           f"device must be cpu or cuda (or mps/xpu), got {self.device!r}"))
         for ok, msg in checks:
             if not ok:
                 raise ValueError(msg + ".")
         self.ood_sets = tuple(self.ood_sets)
         self.strategies = tuple(self.strategies)
         self.pretrain_milestones = tuple(self.pretrain_milestones)
+
+    def check_ood_sets(self) -> None:
+        """Raise ``ValueError`` naming the known sets if ``ood_sets`` holds a name the loaders lack.
+
+        Called by :func:`~mcd_helpers.reproduce.run_reproduction` before any work (not in
+        ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names).
+        """
+        known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else _cifar_ood_sets()
+        unknown = [name for name in self.ood_sets if name not in known]
+        if unknown:
+            raise ValueError(f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

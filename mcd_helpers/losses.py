@@ -11,6 +11,8 @@ Glossary: ``logits1, logits2`` are F1's and F2's outputs, shape ``(N, K)``; entr
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -66,10 +68,14 @@ def supervised_loss(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch
         logits1, logits2: ``(N, K)``; targets: ``(N,)`` integer labels in ``[0, K)`` -> scalar.
 
     Raises:
-        ValueError: on mismatched shapes or labels outside ``[0, K)``.
+        ValueError: on mismatched shapes, an empty batch or labels outside ``[0, K)``.
     """
     check_logits(logits1, logits2)
+    if logits1.shape[0] == 0:
+        raise ValueError("supervised_loss needs at least one labeled sample; got an empty batch "
+                         "(the mean over zero samples is NaN).")
     check_targets(targets, logits1.shape[1], logits1.shape[0])
+    targets = targets.long()  # any integer dtype (int32, uint8, ...); cross_entropy wants int64
     return F.cross_entropy(logits1, targets) + F.cross_entropy(logits2, targets)
 
 
@@ -85,13 +91,13 @@ def discrepancy_loss(logits1: torch.Tensor, logits2: torch.Tensor, margin: float
         logits1, logits2: ``(N, K)`` with N >= 1 -> scalar.
 
     Raises:
-        ValueError: on mismatched shapes, an empty batch or a negative margin.
+        ValueError: on mismatched shapes, an empty batch or a negative, NaN or infinite margin.
     """
     check_logits(logits1, logits2)
     if logits1.shape[0] == 0:
         raise ValueError("discrepancy_loss needs at least one unlabeled sample, got an empty batch.")
-    if margin < 0:
-        raise ValueError(f"margin must be >= 0 nats, got {margin}.")
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ValueError(f"margin must be a finite number >= 0 nats (official: 1.2), got {margin}.")
     gap = (entropy(logits1) - entropy(logits2)).mean()
     return torch.clamp(margin - gap, min=0)
 

@@ -34,14 +34,19 @@ class TwoHeadNet(nn.Module):
         x: ``(N, C, H, W)`` -> ``(logits1, logits2)``, each ``(N, K)``.
 
     Raises:
-        ValueError: if ``x`` is not 4-D or its channel count is not ``in_channels``.
+        ValueError: if ``x`` is not a 4-D float batch, its channel count is not ``in_channels`` or
+            its images are smaller than ``min_size`` pixels (``small_cnn``: 8, DenseNet-BC: 4).
     """
 
-    def __init__(self, features: nn.Module, feature_dim: int, num_classes: int, in_channels: int):
+    def __init__(self, features: nn.Module, feature_dim: int, num_classes: int, in_channels: int,
+                 min_size: int = 1):
         super().__init__()
         if num_classes < 2:
             raise ValueError(f"num_classes must be at least 2, got {num_classes}.")
+        if in_channels < 1:
+            raise ValueError(f"in_channels must be at least 1, got {in_channels}.")
         self.in_channels = in_channels
+        self.min_size = min_size  # smallest image height/width that G can take
         self.num_classes = num_classes
         self.feature_dim = feature_dim
         self.G = features
@@ -56,6 +61,13 @@ class TwoHeadNet(nn.Module):
             hint = " Add a batch axis with x.unsqueeze(0)." if x.dim() == 3 else ""
             raise ValueError(
                 f"expected an image batch of shape (N, C, H, W), got shape {tuple(x.shape)}.{hint}")
+        if not x.dtype.is_floating_point:
+            raise ValueError(f"expected float images, got dtype {x.dtype}; convert with x.float() / 255 "
+                             "(and normalise as the training data was).")
+        if min(x.shape[2:]) < self.min_size:
+            raise ValueError(f"images of {x.shape[2]}x{x.shape[3]} are too small for this model, which needs "
+                             f"at least {self.min_size}x{self.min_size} (its pooling would leave nothing); "
+                             "resize them, e.g. torchvision.transforms.Resize.")
         if x.shape[1] != self.in_channels:
             raise ValueError(
                 f"this model takes {self.in_channels}-channel images, got {x.shape[1]} channels "
@@ -111,19 +123,24 @@ def small_cnn(in_channels: int = 1, num_classes: int = 10, norm: str = "batch",
         x: ``(N, in_channels, H, W)`` with H, W >= 8 -> two ``(N, num_classes)`` tensors.
 
     Raises:
-        ValueError: on an unknown ``norm`` or a dropout outside [0, 1).
+        ValueError: on an unknown ``norm``, a dropout outside [0, 1) or a bad ``width``.
     """
     if norm not in NORMS:
         raise ValueError(f"norm must be one of {NORMS}, got {norm!r}.")
     if not 0.0 <= dropout < 1.0:
         raise ValueError(f"dropout must be in [0, 1), got {dropout}.")
+    if width < 1 or in_channels < 1:
+        raise ValueError(f"width and in_channels must be positive numbers of channels, got {width} and {in_channels}.")
+    if norm == "group" and any(c % min(8, c) for c in (width, 2 * width, 4 * width)):
+        raise ValueError(f"with norm='group' each block's channels ({width}, {2 * width}, {4 * width}) must split "
+                         f"into min(8, channels) equal groups; use a width of 1, 2, 4 or a multiple of 8, got {width}.")
     w = width
     layers = (_conv_block(in_channels, w, norm) + _conv_block(w, 2 * w, norm)
               + _conv_block(2 * w, 4 * w, norm))
     layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, 128), nn.ReLU(inplace=True)]
     if dropout > 0:
         layers.append(nn.Dropout(dropout))
-    return TwoHeadNet(nn.Sequential(*layers), 128, num_classes, in_channels)
+    return TwoHeadNet(nn.Sequential(*layers), 128, num_classes, in_channels, min_size=8)  # 3 max-pools
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +192,7 @@ def densenet_bc_100(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     """
     features, dim = _densenet_bc_features(in_channels, depth=100, growth=12)
     assert dim == 342, dim  # published feature width
-    return TwoHeadNet(features, dim, num_classes, in_channels)
+    return TwoHeadNet(features, dim, num_classes, in_channels, min_size=4)  # 2 average-pooling transitions
 
 
 # ----------------------------------------------------------------------------------------------

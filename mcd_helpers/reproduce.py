@@ -166,6 +166,8 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
 
     Raises:
         DataNotFoundError: when Fashion-MNIST (or ``mnist``) cannot be found.
+        ValueError: on an unknown OOD set name, or when ``cfg.device`` is a CUDA device and no GPU
+            is available (both checked before any work).
         NonFiniteLossError: when training diverges (the last good checkpoint is kept).
         TrainingInterrupted: on SIGTERM during training, after a checkpoint is saved.
         CheckpointMismatchError: (a ValueError) when resuming with settings that differ from the
@@ -177,6 +179,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
 
     from .plots import plot_roc_curves, plot_score_histograms
 
+    cfg.check_ood_sets()
+    if torch.device(cfg.device).type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={cfg.device!r} but PyTorch sees no CUDA GPU here (torch.cuda.is_available() "
+                         "is False); run with --device cpu (the paper presets default to cuda).")
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     # ---- torchrun: process group, this rank's device; only rank 0 logs and writes ----

@@ -1,6 +1,8 @@
 """The command line: flags map one-to-one onto config fields; errors exit 2 with a message."""
 import dataclasses
 
+import torch
+
 import pytest
 
 from mcd_helpers.__main__ import build_parser, config_from_args, main
@@ -60,3 +62,42 @@ def test_out_is_required(capsys):
 def test_list_presets(capsys):
     assert main(["reproduce", "--list-presets"]) == 0
     assert "quick:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--n-val", "-1"], "n_val must be >= 1"),
+    (["--finetune-epochs", "0"], "finetune_epochs must be >= 1"),
+    (["--eval-batch-size", "0"], "eval_batch_size must be >= 1"),
+    (["--seed", "-1"], "seed must be in"),
+    (["--margin", "inf"], "margin must be a finite"),
+    (["--finetune-lr", "-0.1"], "finetune_lr must be a positive"),
+    (["--model", "densenet_bc_100", "--norm", "group"], "applies to small_cnn only"),
+    (["--device", "tpu"], "device must be"),
+])
+def test_settings_that_cannot_work_are_refused_before_any_work(flags, message, capsys, tmp_path):
+    out = tmp_path / "out"
+    assert main(["reproduce", "--preset", "quick", "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+
+
+def test_spaces_after_commas_in_list_flags_are_ignored():
+    args = build_parser().parse_args(["reproduce", "--preset", "quick", "--ood-sets", "gaussian, uniform"])
+    assert config_from_args(args).ood_sets == ("gaussian", "uniform")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_cuda_without_a_gpu_is_an_error_before_loading_data(capsys, tmp_path, monkeypatch):
+    import mcd_helpers.reproduce as reproduce
+
+    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
+    assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
+    assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_an_unknown_ood_set_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
+    import mcd_helpers.reproduce as reproduce
+
+    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the check"))
+    assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--ood-sets", "digits, foo"]) == 2
+    assert "unknown OOD set(s) ['foo']" in capsys.readouterr().err

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from mcd_helpers.losses import (discrepancy_loss, discrepancy_score, energy_score, entropy, msp_score,
                                 supervised_loss)
@@ -126,3 +127,18 @@ def test_msp_and_energy_scores_by_hand():
 def test_logits_must_be_two_dimensional():
     with pytest.raises(ValueError, match=r"\(N, K\)"):
         entropy(torch.zeros(3))
+
+
+def test_supervised_loss_takes_any_integer_label_dtype_and_refuses_an_empty_batch():
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+    want = F.cross_entropy(logits, torch.tensor([0, 1])) * 2  # both heads get the same logits
+    for dtype in (torch.int32, torch.uint8, torch.int64):
+        torch.testing.assert_close(supervised_loss(logits, logits, torch.tensor([0, 1], dtype=dtype)), want)
+    with pytest.raises(ValueError, match="empty batch"):
+        supervised_loss(torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("margin", [float("nan"), float("inf"), -0.1])
+def test_discrepancy_loss_refuses_a_margin_that_is_not_finite_and_non_negative(margin):
+    with pytest.raises(ValueError, match="margin"):
+        discrepancy_loss(torch.zeros(2, 3), torch.zeros(2, 3), margin)

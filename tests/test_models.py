@@ -85,3 +85,25 @@ def test_build_model_by_name():
     assert build_model("small_cnn", 1, 10, "group").feature_dim == 128
     with pytest.raises(ValueError, match="unknown model"):
         build_model("resnet18", 3, 10)
+
+
+@pytest.mark.parametrize("build, x, match", [
+    (lambda: small_cnn(), torch.zeros(2, 1, 7, 7), "at least 8x8"),
+    (lambda: densenet_bc_100(), torch.zeros(2, 3, 3, 3), "at least 4x4"),
+    (lambda: small_cnn(), torch.zeros(2, 1, 28, 28, dtype=torch.uint8), "float images"),
+])
+def test_inputs_the_model_cannot_take_are_refused_with_a_fix(build, x, match):
+    with pytest.raises(ValueError, match=match):
+        build()(x)
+
+
+def test_smallest_accepted_images_go_through():
+    # 8x8 after three 2x2 max-pools is 1x1: the smallest size small_cnn takes (by hand: 8 -> 4 -> 2 -> 1).
+    l1, l2 = small_cnn().eval()(torch.zeros(2, 1, 8, 8))
+    assert l1.shape == l2.shape == (2, 10)
+
+
+@pytest.mark.parametrize("kwargs", [dict(width=0), dict(width=12, norm="group"), dict(in_channels=0)])
+def test_bad_builder_arguments_are_refused(kwargs):
+    with pytest.raises(ValueError):
+        small_cnn(**kwargs)
