@@ -115,6 +115,12 @@ def discrepancy_score(logits1: torch.Tensor, logits2: torch.Tensor) -> torch.Ten
     return (F.softmax(logits1, dim=1) - F.softmax(logits2, dim=1)).abs().sum(dim=1)
 
 
+def _check_temperature(temperature: float) -> None:
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature T must be a finite number > 0 (1 = plain softmax; ODIN uses 1000), "
+                         f"got {temperature}.")
+
+
 def msp_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Maximum-softmax-probability baseline as an OOD score: 1 - max_k softmax(logits / T)_k.
 
@@ -122,8 +128,12 @@ def msp_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
 
     Shapes:
         logits: ``(N, K)`` -> ``(N,)``.
+
+    Raises:
+        ValueError: on bad logits or a temperature that is not a finite number > 0.
     """
     check_logits(logits)
+    _check_temperature(temperature)
     return 1.0 - F.softmax(logits / temperature, dim=1).max(dim=1).values
 
 
@@ -134,6 +144,10 @@ def energy_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor
 
     Shapes:
         logits: ``(N, K)`` -> ``(N,)``.
+
+    Raises:
+        ValueError: on bad logits or a temperature that is not a finite number > 0.
     """
     check_logits(logits)
+    _check_temperature(temperature)
     return -temperature * torch.logsumexp(logits / temperature, dim=1)

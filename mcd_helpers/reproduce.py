@@ -34,6 +34,7 @@ from .data import cache_root, load_id, load_ood, transductive_split
 from .losses import discrepancy_score, msp_score
 from .metrics import METRIC_KEYS, ood_metrics
 from .models import TwoHeadNet, build_model
+from .engine import CheckpointMismatchError
 from .train import finetune, predict_logits, pretrain, set_seed
 
 __all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown", "load_results"]
@@ -128,11 +129,15 @@ def _finetuned(cfg: MCDConfig, base: TwoHeadNet, x_train, y_train, split, ood: s
     if resume and final.exists():
         try:
             state = load_checkpoint(final, required=("model", "key", "val_auroc", "seconds"))
-            if state["key"] == stage_key(cfg.training_key(), cfg.sync_bn):
-                model = _fresh_copy(cfg, base)
-                model.load_state_dict(state["model"])
-                _log(f"{ood:>12} | mcd {strategy:>8} | finished before, reloaded from {final}", quiet)
-                return model.to(cfg.device), state
+            if state["key"] != stage_key(cfg.training_key(), cfg.sync_bn):
+                raise CheckpointMismatchError(
+                    f"{final} was fine-tuned with other settings ({state['key']}) than this run's "
+                    f"({stage_key(cfg.training_key(), cfg.sync_bn)}): the settings changed. Resume with the "
+                    "same settings, or run without --resume (or with another --out).")
+            model = _fresh_copy(cfg, base)
+            model.load_state_dict(state["model"])
+            _log(f"{ood:>12} | mcd {strategy:>8} | finished before, reloaded from {final}", quiet)
+            return model.to(cfg.device), state
         except CorruptCheckpointError as err:
             _log(f"{err} Fine-tuning again.", quiet)
     stage = RollingCheckpoint(ckpt_dir / f"mcd-{ood}-{strategy}")

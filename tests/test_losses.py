@@ -142,3 +142,10 @@ def test_supervised_loss_takes_any_integer_label_dtype_and_refuses_an_empty_batc
 def test_discrepancy_loss_refuses_a_margin_that_is_not_finite_and_non_negative(margin):
     with pytest.raises(ValueError, match="margin"):
         discrepancy_loss(torch.zeros(2, 3), torch.zeros(2, 3), margin)
+
+
+@pytest.mark.parametrize("score", [msp_score, energy_score])
+@pytest.mark.parametrize("temperature", [0.0, -1.0, float("nan"), float("inf")])
+def test_scores_refuse_a_temperature_that_is_not_positive_and_finite(score, temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        score(torch.zeros(2, 3), temperature)

@@ -159,3 +159,18 @@ def test_checkpoint_cut_short_is_reported_and_the_previous_one_used(reference, t
         assert _run(out, reference["cache"], "--resume") == 0
     assert (out / STAGE).exists() is False  # stage finished: its checkpoints (and the broken file) cleared
     _assert_same(_metrics(out), reference["metrics"])
+
+
+def test_resume_refuses_a_finished_stage_of_other_settings(tmp_path):
+    # A finished fine-tuning file whose settings key differs must not be reloaded or silently redone.
+    from mcd_helpers import reproduce
+    from mcd_helpers.checkpoint import save_checkpoint
+    from mcd_helpers.config import MCDConfig
+    from mcd_helpers.engine import CheckpointMismatchError
+    from mcd_helpers.models import small_cnn
+
+    cfg, base = MCDConfig(), small_cnn()
+    save_checkpoint(tmp_path / "mcd-gaussian-separate.pt", {"model": base.state_dict(), "key": "other-settings",
+                                                            "val_auroc": [0.5], "seconds": 1.0})
+    with pytest.raises(CheckpointMismatchError, match="other settings"):
+        reproduce._finetuned(cfg, base, None, None, None, "gaussian", "separate", tmp_path, False, True, resume=True)
