@@ -5,6 +5,7 @@ to build/notebook_times.json (a record, not a timed test).
 """
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -16,8 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
-def test_notebooks_exist():
-    assert NOTEBOOKS, "no notebooks found in notebooks/"
+def test_readme_lists_exactly_the_notebooks():
+    # The README's table of notebooks is how a reader finds them: no notebook missing, none invented.
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("## The notebooks", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(\d\d_\w+)` \|", table, flags=re.M))
+    assert listed == {p.stem for p in NOTEBOOKS} and len(NOTEBOOKS) >= 6
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
