@@ -5,6 +5,7 @@ ICCV 2019 (arXiv 1908.04951).
 """
 from . import data, losses, metrics, models
 from .compare import compare_strategies
+from .forwards import compare_forwards
 from .graphs import draw_graph  # torchviz itself is imported on the first drawing
 from .losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
 from .metrics import ood_metrics
@@ -13,4 +14,4 @@ from .models import TwoHeadNet, densenet_bc_100, small_cnn, wrn_28_10
 __version__ = "0.1.0"
 __all__ = ["data", "losses", "metrics", "models", "TwoHeadNet", "small_cnn", "densenet_bc_100",
            "wrn_28_10", "entropy", "supervised_loss", "discrepancy_loss", "discrepancy_score",
-           "ood_metrics", "compare_strategies", "draw_graph"]
+           "ood_metrics", "compare_strategies", "compare_forwards", "draw_graph"]

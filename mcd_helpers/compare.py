@@ -16,7 +16,8 @@ updates its running statistics once per forward (see notebook 02).
 * :func:`coupling_matrix` -- how much each sample's output depends on each sample's input.
 * :func:`step_cost` -- time per step and peak memory of one strategy.
 
-The loss is :func:`mcd_helpers.train.step_b_loss` (CE(F1) + CE(F2) + discrepancy loss).
+The loss is Step B's (CE(F1) + CE(F2) + discrepancy loss), as in :func:`mcd_helpers.train.step_b_loss`;
+:func:`mcd_helpers.forwards.compare_forwards` is the same comparison for any number of batches and any loss.
 """
 from __future__ import annotations
 
@@ -29,132 +30,36 @@ from typing import Mapping
 import torch
 from torch import nn
 
-from .train import step_b_loss
+from .forwards import ForwardsComparison, _report, default_tolerance, forward_outputs, model_dtype_device, run_both
+from .losses import discrepancy_loss, entropy, supervised_loss
 
 __all__ = ["StrategyComparison", "compare_strategies", "ComparisonTable", "coupling_matrix", "StepCost",
            "step_cost", "default_tolerance"]
 
-_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 1e-1}
 
-
-def default_tolerance(dtype: torch.dtype) -> float:
-    """Largest |difference| still called "equal up to rounding" for ``dtype`` (absolute).
-
-    float64: 1e-10 (rounding is ~1e-16 per operation); float32: 1e-4 (rounding ~1e-7 per
-    operation, summed over reductions of thousands of terms); half types: 1e-2 / 1e-1.
-    """
-    return _TOLERANCE.get(dtype, 1e-4)
-
-
-@dataclass
-class StrategyComparison:
+@dataclass(kw_only=True)
+class StrategyComparison(ForwardsComparison):
     """One MCD Step B computed with ``"concat"`` and with ``"separate"`` forwards.
 
+    A :class:`~mcd_helpers.forwards.ForwardsComparison` of the two batches ``[x_sup, x_unsup]``
+    with the Step B loss (CE1 + CE2 + discrepancy loss, nats) as ``loss_fn``, plus:
+
     Attributes:
-        loss_concat, loss_separate: the Step B loss (CE1 + CE2 + discrepancy loss), nats.
-        max_grad_diff: max over all parameters and entries of |grad_concat - grad_separate|.
-        grad_diff: parameter name -> max |Δ| of its gradient (0.0 if neither strategy gave it one).
-        buffer_diff: buffer name -> max |Δ| after the forwards (BatchNorm's ``running_mean``,
-            ``running_var``, ``num_batches_tracked``; empty for a model without buffers).
-        grad_scale: max |grad| over all parameters (concat), to read ``max_grad_diff`` against.
         parts_concat, parts_separate: ``{"ce", "dis", "gap"}`` of each strategy (nats, floats).
-        buffers_before, buffers_concat, buffers_separate: buffer name -> tensor (CPU copies),
-            before the step and after each strategy's forwards.
-        training: the model's mode during the comparison; dtype: its floating dtype.
-        n_sup, n_unsup: batch sizes; tolerance: the |Δ| still called equal (see ``same``).
+        n_sup, n_unsup: the two batch sizes.
     """
-    loss_concat: float
-    loss_separate: float
-    max_grad_diff: float
-    grad_diff: dict[str, float]
-    buffer_diff: dict[str, float]
-    grad_scale: float
     parts_concat: dict[str, float]
     parts_separate: dict[str, float]
-    training: bool
-    dtype: torch.dtype
     n_sup: int
     n_unsup: int
-    tolerance: float
-    buffers_before: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    buffers_concat: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
-    buffers_separate: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @property
-    def loss_diff(self) -> float:
-        """|loss_concat - loss_separate| in nats."""
-        return abs(self.loss_concat - self.loss_separate)
+    def _loss_rows(self) -> list[tuple[str, str, str, str]]:
+        return [("loss (nats)", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}")]
 
-    @property
-    def max_buffer_diff(self) -> float:
-        """Max |Δ| over all buffers (0.0 when the model has none)."""
-        return max(self.buffer_diff.values(), default=0.0)
-
-    @property
-    def max_running_stat_diff(self) -> float:
-        """Max |Δ| over floating buffers only (running_mean, running_var), 0.0 when there are none."""
-        return max((d for name, d in self.buffer_diff.items() if self.buffers_before[name].is_floating_point()),
-                   default=0.0)
-
-    @property
-    def tracked_increments(self) -> tuple[int, int] | None:
-        """How much one step adds to ``num_batches_tracked`` ``(concat, separate)``, e.g. ``(1, 2)``
-        in train mode (one update per forward); None when the model has no such buffer."""
-        for name, before in self.buffers_before.items():
-            if name.endswith("num_batches_tracked"):
-                return (int(self.buffers_concat[name] - before), int(self.buffers_separate[name] - before))
-        return None
-
-    @property
-    def same(self) -> bool:
-        """True when loss, every gradient and every buffer agree to within ``tolerance``."""
-        return max(self.loss_diff, self.max_grad_diff, self.max_buffer_diff) <= self.tolerance
-
-    @property
-    def verdict(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        if self.same:
-            return f"same up to {dtype} rounding (all |Δ| <= {self.tolerance:g})"
-        return f"different (largest |Δ| above the {dtype} tolerance {self.tolerance:g})"
-
-    def top_params(self, k: int = 5) -> list[tuple[str, float]]:
-        """The ``k`` parameters whose gradients differ most, largest first."""
-        return sorted(self.grad_diff.items(), key=lambda kv: -kv[1])[:k]
-
-    def _rows(self, k: int) -> list[tuple[str, str, str, str]]:
-        rows = [("loss (nats)", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}"),
-                ("max |grad| / max |Δgrad|", f"{self.grad_scale:.3g}", "", f"{self.max_grad_diff:.3g}")]
-        rows += [(f"grad {name}", "", "", f"{d:.3g}") for name, d in self.top_params(k)]
-        for name, d in self.buffer_diff.items():
-            if name.endswith("num_batches_tracked"):
-                before = int(self.buffers_before[name])
-                c, s = int(self.buffers_concat[name]) - before, int(self.buffers_separate[name]) - before
-                rows.append((f"{name} (+ per step)", f"+{c}", f"+{s}", f"{d:g}"))
-            elif d > 0 or len(self.buffer_diff) <= 2 * k:
-                rows.append((f"buffer {name}", "", "", f"{d:.3g}"))
-        return rows
-
-    def __str__(self) -> str:
+    def _head(self) -> str:
         mode = "train" if self.training else "eval"
-        head = (f"concat vs separate forwards: {mode} mode, {str(self.dtype).replace('torch.', '')}, "
-                f"{self.n_sup} labeled + {self.n_unsup} unlabeled -> {self.verdict}")
-        rows = [("quantity", "concat", "separate", "|Δ|")] + self._rows(5)
-        w = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows]
-        return "\n".join([head] + lines)
-
-    def _repr_html_(self) -> str:
-        mode = "train" if self.training else "eval"
-        cells = "".join(
-            "<tr>" + "".join(f"<td style='text-align:{'left' if i == 0 else 'right'}'>{html.escape(c)}</td>"
-                             for i, c in enumerate(r)) + "</tr>" for r in self._rows(8))
-        color = "green" if self.same else "firebrick"
-        dtype = str(self.dtype).replace("torch.", "")
-        return (f"<p><b>concat vs separate</b>: {mode} mode, {dtype}, "
-                f"{self.n_sup} labeled + {self.n_unsup} unlabeled: "
-                f"<b style='color:{color}'>{html.escape(self.verdict)}</b></p>"
-                "<table><thead><tr><th>quantity</th><th>concat</th><th>separate</th><th>|Δ|</th></tr>"
-                f"</thead><tbody>{cells}</tbody></table>")
+        return (f"concat vs separate forwards: {mode} mode, {str(self.dtype).replace('torch.', '')}, "
+                f"{self.n_sup} labeled + {self.n_unsup} unlabeled")
 
 
 class ComparisonTable:
@@ -165,18 +70,18 @@ class ComparisonTable:
     Prints as text; shows as an HTML table in Jupyter.
     """
 
-    def __init__(self, comparisons: Mapping[str, StrategyComparison]):
+    def __init__(self, comparisons: Mapping[str, ForwardsComparison]):
         if not comparisons:
             raise ValueError("ComparisonTable needs at least one comparison.")
         self.comparisons = dict(comparisons)
 
     def rows(self) -> list[tuple[str, ...]]:
-        out = [("setting", "mode", "dtype", "N_sup+N_unsup", "|Δloss| (nats)", "max |Δgrad|",
+        out = [("setting", "mode", "dtype", "batch sizes", "|Δloss|", "max |Δgrad|",
                 "max |Δrunning stats|", "num_batches_tracked", "verdict")]
         for label, c in self.comparisons.items():
             inc = c.tracked_increments
             out.append((label, "train" if c.training else "eval", str(c.dtype).replace("torch.", ""),
-                        f"{c.n_sup}+{c.n_unsup}", f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
+                        "+".join(str(n) for n in c.batch_sizes), f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
                         f"{c.max_running_stat_diff:.2g}", "-" if inc is None else f"+{inc[0]} vs +{inc[1]}",
                         "same" if c.same else "DIFFERENT"))
         return out
@@ -191,13 +96,6 @@ class ComparisonTable:
         th = "".join(f"<th>{html.escape(c)}</th>" for c in head)
         trs = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in body)
         return f"<table><thead><tr>{th}</tr></thead><tbody>{trs}</tbody></table>"
-
-
-def _model_dtype_device(model: nn.Module) -> tuple[torch.dtype, torch.device]:
-    for t in list(model.parameters()) + list(model.buffers()):
-        if t.is_floating_point():
-            return t.dtype, t.device
-    return torch.get_default_dtype(), torch.device("cpu")
 
 
 def _check_batches(x_sup, y_sup, x_unsup) -> None:
@@ -216,28 +114,40 @@ def _check_batches(x_sup, y_sup, x_unsup) -> None:
         raise ValueError(f"y_sup must have shape ({len(x_sup)},) to match x_sup, got {tuple(y_sup.shape)}.")
 
 
-def _max_abs_diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
-    if a is None and b is None:
-        return 0.0
-    if a is None or b is None:
-        t = a if a is not None else b
-        return float(t.detach().abs().max()) if t.numel() else 0.0
-    return float((a.detach().double() - b.detach().double()).abs().max()) if a.numel() else 0.0
+def _step_b_loss_fn(y_sup: torch.Tensor, margin: float, record: list | None = None):
+    """``loss_fn`` of MCD's Step B over ``[(logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup)]``:
+    CE(F1) + CE(F2) + discrepancy loss (nats), the operations of :func:`mcd_helpers.train.step_b_loss`.
+    Appends ``{"ce", "dis", "gap"}`` of each call to ``record``."""
 
+    def step_b(outputs: list) -> torch.Tensor:
+        try:
+            (logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup) = outputs  # (N_i, K) each
+        except (TypeError, ValueError) as err:
+            raise TypeError("the model's forward must return two tensors (logits1, logits2), each "
+                            f"(N, K); unpacking its output failed: {err}") from err
+        ce = supervised_loss(logits1_sup, logits2_sup, y_sup)
+        dis = discrepancy_loss(logits1_unsup, logits2_unsup, margin)
+        if record is not None:
+            with torch.no_grad():
+                gap = (entropy(logits1_unsup) - entropy(logits2_unsup)).mean()
+            record.append({"ce": float(ce.detach()), "dis": float(dis.detach()), "gap": float(gap)})
+        return ce + dis
 
-def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: b.detach().cpu().clone() for name, b in model.named_buffers()}
+    return step_b
 
 
 def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
                        margin: float = 1.2, dtype: torch.dtype | None = None, seed: int = 0) -> StrategyComparison:
     """Compute one MCD Step B loss and its gradients with concatenated and with separate forwards.
 
-    Works on any module whose ``forward`` returns ``(logits1, logits2)``. Each strategy runs on
-    its own ``copy.deepcopy`` of ``model`` (gradients cleared), in the model's current train/eval
-    mode, so the caller's parameters, buffers, ``.grad`` and global RNG state are untouched.
-    Dropout draws its masks from one random stream seeded with ``seed`` (concat first, then
-    separate), as two training runs would: the masks differ between the strategies.
+    The two-batch MCD case of :func:`~mcd_helpers.forwards.compare_forwards`: batches
+    ``[x_sup, x_unsup]``, loss CE(F1) + CE(F2) on ``x_sup`` plus the discrepancy loss on
+    ``x_unsup``, the same operations as :func:`mcd_helpers.train.step_b_loss`. Works on any
+    module whose ``forward`` returns ``(logits1, logits2)``. Each strategy runs on its own
+    ``copy.deepcopy`` of ``model`` (gradients cleared), in the model's current train/eval mode, so
+    the caller's parameters, buffers, ``.grad`` and global RNG state are untouched. Dropout draws
+    its masks from one random stream seeded with ``seed`` (concat first, then separate), as two
+    training runs would: the masks differ between the strategies.
 
     Equal up to rounding when no layer couples samples (no train-mode BatchNorm, no dropout
     with p > 0 in train mode); in float64 the gradients then agree to ~1e-16 per entry.
@@ -263,43 +173,20 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     _check_batches(x_sup, y_sup, x_unsup)
-    model_dtype, device = _model_dtype_device(model)
-    dtype = dtype or model_dtype
-    if not dtype.is_floating_point:
-        raise ValueError(f"dtype must be a floating dtype such as torch.float64, got {dtype}.")
-    x_sup, x_unsup = x_sup.to(device, dtype), x_unsup.to(device, dtype)
-    y_sup = y_sup.to(device)
-    buffers_before = _buffers(model)
+    y_sup = y_sup.to(model_dtype_device(model)[1])
+    parts: list[dict[str, float]] = []  # concat's, then separate's
+    step_b = _step_b_loss_fn(y_sup, margin, parts)
 
-    results = {}
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.manual_seed(seed)
-        for strategy in ("concat", "separate"):
-            m = copy.deepcopy(model).to(dtype)
-            for p in m.parameters():
-                p.grad = None
-            try:
-                loss, parts = step_b_loss(m, x_sup, y_sup, x_unsup, strategy, margin)
-            except (TypeError, ValueError) as err:
-                if "unpack" not in str(err):
-                    raise
-                raise TypeError("the model's forward must return two tensors (logits1, logits2), each "
-                                f"(N, K); unpacking its output failed: {err}") from err
-            loss.backward()
-            grads = {name: p.grad for name, p in m.named_parameters()}
-            results[strategy] = (loss.item(), {k: float(v) for k, v in parts.items()}, grads, _buffers(m))
-
-    (loss_c, parts_c, grads_c, bufs_c), (loss_s, parts_s, grads_s, bufs_s) = results["concat"], results["separate"]
-    grad_diff = {name: _max_abs_diff(grads_c[name], grads_s[name]) for name in grads_c}
-    buffer_diff = {name: _max_abs_diff(bufs_c[name], bufs_s[name]) for name in bufs_c}
-    grad_scale = max((float(g.abs().max()) for g in grads_c.values() if g is not None and g.numel()), default=0.0)
-    return StrategyComparison(
-        loss_concat=loss_c, loss_separate=loss_s, max_grad_diff=max(grad_diff.values(), default=0.0),
-        grad_diff=grad_diff, buffer_diff=buffer_diff, grad_scale=grad_scale,
-        parts_concat=parts_c, parts_separate=parts_s, training=model.training, dtype=dtype,
-        n_sup=len(x_sup), n_unsup=len(x_unsup), tolerance=default_tolerance(dtype),
-        buffers_before=buffers_before, buffers_concat=bufs_c, buffers_separate=bufs_s)
+    try:
+        results, dtype, buffers_before = run_both(model, [x_sup, x_unsup], step_b, dtype, seed)
+    except TypeError as err:
+        if "tuple of tensors" in str(err):
+            raise TypeError("the model's forward must return two tensors (logits1, logits2), each "
+                            f"(N, K): {err}") from err
+        raise
+    return _report(StrategyComparison, results, dtype, buffers_before, model.training, (len(x_sup), len(x_unsup)),
+                   parts_concat=parts[0], parts_separate=parts[1],
+                   n_sup=len(x_sup), n_unsup=len(x_unsup))
 
 
 def coupling_matrix(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -320,7 +207,7 @@ def coupling_matrix(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) < 1:
         raise ValueError("x must be a batch tensor (N, ...) with N >= 1.")
     m = copy.deepcopy(model)
-    dtype, device = _model_dtype_device(m)
+    dtype, device = model_dtype_device(m)
     x = x.detach().to(device, dtype).requires_grad_(True)
     logits1, logits2 = m(x)
     out = torch.cat([logits1, logits2], dim=1)  # (N, 2K)
@@ -363,9 +250,10 @@ def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsu
     if strategy not in ("concat", "separate"):
         raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
     m = copy.deepcopy(model)
-    dtype, device = _model_dtype_device(m)
+    dtype, device = model_dtype_device(m)
     x_sup, x_unsup, y_sup = x_sup.to(device, dtype), x_unsup.to(device, dtype), y_sup.to(device)
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    step_b = _step_b_loss_fn(y_sup, margin)
     cuda = device.type == "cuda"
     saved: dict[tuple, int] = {}
 
@@ -383,7 +271,7 @@ def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsu
         saved.clear()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss, _ = step_b_loss(m, x_sup, y_sup, x_unsup, strategy, margin)
+            loss = step_b(forward_outputs(m, [x_sup, x_unsup], strategy))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()

@@ -296,7 +296,6 @@ def test_step_cost_saves_the_same_activations_both_ways():
     # conv input (16x1x8x8 float32 = 4 KiB) and conv output (16x4x8x8 = 16 KiB) are saved either way.
     assert 16 * 4 * 8 * 8 * 4 <= a.peak_bytes < 1000 * 8 * 8 * 4 and a.device == "cpu"
     assert 0.8 < a.peak_bytes / b.peak_bytes < 1.25
-    assert a.ms_per_step > 0 and b.ms_per_step > 0
     assert torch.equal(model.norm.num_batches_tracked, torch.tensor(0))
     with pytest.raises(ValueError, match="repeats"):
         step_cost(model, x_sup, y_sup, x_unsup, "concat", repeats=0)
