@@ -32,12 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .data import DataNotFoundError, cache_root, odin_noise
+from .datafiles import cache_root, move_into_place, odin_noise, private_folder
+from .errors import DataNotFoundError
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "CIFAR_IMAGE_SHAPE", "CIFAR_DATASETS", "ODIN_ARCHIVES",
            "ODIN_OOD_SETS", "NOISE_SETS", "CIFAR_OOD_SETS", "ChecksumError", "OdinArchive", "md5sum",
            "verify_md5", "normalize_cifar", "load_cifar", "load_odin_folder", "cifar_noise",
-           "load_cifar_ood", "data_present"]
+           "load_cifar_ood", "data_present", "ood_set_size"]
 
 CIFAR_MEAN = (125.3 / 255, 123.0 / 255, 113.9 / 255)  # official code (and ODIN's)
 CIFAR_STD = (63.0 / 255, 62.1 / 255, 66.7 / 255)
@@ -104,10 +105,16 @@ def verify_md5(path: Path, expected: str, url: str) -> None:
 
 
 def _download(url: str, root: Path, filename: str, md5: str) -> None:
-    """torchvision's download with MD5 check (a function of its own so tests can cut the network)."""
+    """torchvision's download with MD5 check (a function of its own so tests can cut the network).
+
+    Downloads into a private folder in ``root`` and renames the file into place, so concurrent
+    runs never read each other's half-downloaded archive.
+    """
     from torchvision.datasets.utils import download_url
 
-    download_url(url, str(root), filename=filename, md5=md5)
+    with private_folder(root) as tmp:
+        download_url(url, str(tmp), filename=filename, md5=md5)
+        move_into_place(tmp / filename, root / filename)
 
 
 def _fetch_archive(root: Path, filename: str, md5: str, url: str, what: str, target: Path) -> Path:
@@ -130,9 +137,18 @@ def _fetch_archive(root: Path, filename: str, md5: str, url: str, what: str, tar
 
 
 def _extract(archive: Path, root: Path) -> None:
+    """Extract ``archive`` into a private folder in ``root``, then rename each top-level entry into place.
+
+    A run killed mid-extraction leaves only the private folder (``.partial-*``), never a
+    half-filled data folder; of two concurrent extractions the first to finish is kept.
+    """
     from torchvision.datasets.utils import extract_archive
 
-    extract_archive(str(archive), str(root))
+    root = Path(root)
+    with private_folder(root) as tmp:
+        extract_archive(str(archive), str(tmp))
+        for entry in sorted(tmp.iterdir()):
+            move_into_place(entry, root / entry.name)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,6 +294,25 @@ def data_present(id_dataset: str, ood_sets=CIFAR_OOD_SETS, root: Path | None = N
         return False
     return all((root / name).is_dir() or (root / ODIN_ARCHIVES[name].filename).exists()
                for name in ood_sets if name in ODIN_ARCHIVES)
+
+
+def ood_set_size(name: str, n: int = 10_000) -> int:
+    """The number of images :func:`load_cifar_ood` would return; an ODIN folder is fetched and
+    extracted when missing, its images counted, not decoded.
+
+    Raises:
+        ValueError, DataNotFoundError, ChecksumError: as :func:`load_cifar_ood`.
+    """
+    if name in NOISE_SETS:
+        return n
+    if name not in ODIN_ARCHIVES:
+        raise ValueError(f"unknown OOD set {name!r} for a CIFAR ID set; choose from {', '.join(CIFAR_OOD_SETS)}.")
+    spec, root = ODIN_ARCHIVES[name], cache_root()
+    folder = root / name
+    if not (folder.is_dir() and _image_files(folder)):
+        archive = _fetch_archive(root, spec.filename, spec.md5, spec.url, f"ODIN's {name} set", folder)
+        _extract(archive, root)
+    return len(_image_files(folder))
 
 
 def load_cifar_ood(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:

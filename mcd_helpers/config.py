@@ -13,12 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cifar import CIFAR_OOD_SETS
 from .data import ID_DATASETS, OFFLINE_OOD_SETS
-
-
-def _cifar_ood_sets() -> tuple[str, ...]:
-    from .cifar import CIFAR_OOD_SETS  # imported late: cifar imports data, which config needs first
-    return CIFAR_OOD_SETS
+from .errors import ConfigError
 
 __all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS"]
 
@@ -150,7 +147,7 @@ class MCDConfig:
         Called by :func:`~mcd_helpers.reproduce.run_reproduction` before any work (not in
         ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names).
         """
-        known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else _cifar_ood_sets()
+        known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else CIFAR_OOD_SETS
         unknown = [name for name in self.ood_sets if name not in known]
         if unknown:
             raise ValueError(f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")

@@ -1,11 +1,14 @@
 """Data for MCD on CPU: Fashion-MNIST as the ID set, offline OOD sets, the transductive split.
 
 * ID: Fashion-MNIST (Xiao et al. 2017), looked for in three places, in order:
-  1. ``$MCD_DATA_DIR/FashionMNIST/raw/`` (torchvision's layout, ``.gz`` or extracted IDX files);
-  2. the Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/``),
-     extracted once into the cache root;
-  3. torchvision's download into the cache root.
-  The cache root is ``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers``.
+  1. ``$MCD_DATA_DIR/FashionMNIST/raw/`` (torchvision's layout; each of the four IDX files
+     ``.gz`` or extracted), then the same folder in the writable fallback cache
+     (:func:`~mcd_helpers.datafiles.writable_cache_root`);
+  2. the Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/``, ``.gz``);
+  3. torchvision's download into the cache root (into a private folder, then renamed into place).
+  The cache root is ``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers``. Files are read in
+  memory (:func:`~mcd_helpers.datafiles.read_idx`), never extracted to disk; a damaged file raises
+  :class:`CorruptDataError` naming the file, what is wrong and the fix.
 * OOD sets that need no network, all 28x28 grayscale in [0, 1]: ``digits`` (scikit-learn's
   1,797 handwritten 8x8 digits, upsampled), ``photo_crops`` (random crops of scikit-learn's two
   sample photos, the analog of the paper's TinyImageNet/LSUN "crop" sets), ``gaussian`` and
@@ -19,9 +22,7 @@ All image tensors are ``(N, 1, 28, 28)`` float32, normalised with Fashion-MNIST'
 """
 from __future__ import annotations
 
-import gzip
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -30,8 +31,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from .cifar import load_cifar, load_cifar_ood
+from .datafiles import (cache_root, check_writable, data_roots, move_into_place, odin_noise, private_folder,
+                        read_idx, writable_cache_root)
+from .errors import CorruptDataError, DataNotFoundError
+
 __all__ = ["load_id", "odin_noise", "ID_DATASETS", "FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
-           "DataNotFoundError", "cache_root", "load_fashion_mnist", "load_ood", "normalize",
+           "DataNotFoundError", "CorruptDataError", "cache_root", "writable_cache_root", "check_writable",
+           "load_fashion_mnist", "load_ood", "ood_set_size", "normalize",
            "TransductiveSplit", "transductive_split", "infinite_loader", "IMAGE_SHAPE"]
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530  # over the 60k training images, pixels in [0, 1]
@@ -41,18 +48,7 @@ OFFLINE_OOD_SETS = ("digits", "photo_crops", "gaussian", "uniform")
 OOD_SETS = OFFLINE_OOD_SETS + ("mnist",)
 _FMNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                  "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
-
-
-class DataNotFoundError(FileNotFoundError):
-    """A data set was not found in any of the places looked in; the message names them."""
-
-
-def cache_root() -> Path:
-    """``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers`` (``$XDG_CACHE_HOME`` respected)."""
-    if os.environ.get("MCD_DATA_DIR"):
-        return Path(os.environ["MCD_DATA_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "mcd_helpers"
+_MNIST_TEST_FILES = ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
 
 
 def normalize(x: torch.Tensor) -> torch.Tensor:
@@ -60,53 +56,82 @@ def normalize(x: torch.Tensor) -> torch.Tensor:
     return (x - FMNIST_MEAN) / FMNIST_STD
 
 
+def _find(folder: Path, names: tuple[str, ...]) -> dict[str, Path] | None:
+    """``{name: path}`` when every file is in ``folder``, extracted or as ``.gz`` (extracted preferred)."""
+    found = {}
+    for name in names:
+        for candidate in (folder / name, folder / f"{name}.gz"):
+            if candidate.is_file():
+                found[name] = candidate
+                break
+        else:
+            return None
+    return found
+
+
 def _has_fmnist(root: Path) -> bool:
-    raw = root / "FashionMNIST" / "raw"
-    return all((raw / f).exists() or (raw / f"{f}.gz").exists() for f in _FMNIST_FILES)
+    return _find(root / "FashionMNIST" / "raw", _FMNIST_FILES) is not None
 
 
-def _extract_debian(root: Path) -> None:
-    """Decompress Debian's ``.gz`` files into torchvision's layout (write to a temp file, then rename)."""
-    raw = root / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
-    for name in _FMNIST_FILES:
-        target = raw / name
-        if target.exists():
-            continue
-        tmp = target.with_suffix(".tmp")
-        with gzip.open(DEBIAN_FMNIST_DIR / f"{name}.gz", "rb") as src, open(tmp, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        os.replace(tmp, target)
+def _download_idx(cls_name: str, folder_name: str, names: tuple[str, ...]) -> dict[str, Path]:
+    """torchvision's download of ``cls_name`` into a private folder, its raw files then renamed into place."""
+    import torchvision.datasets
+
+    root, _ = writable_cache_root()
+    raw = root / folder_name / "raw"
+    with private_folder(root) as tmp:
+        getattr(torchvision.datasets, cls_name)(str(tmp), train=False, download=True)
+        for f in sorted((tmp / folder_name / "raw").iterdir()):
+            move_into_place(f, raw / f.name)
+    found = _find(raw, names)
+    if found is None:
+        raise DataNotFoundError(f"torchvision's download of {cls_name} left no complete set of files in {raw}.")
+    return found
 
 
-def _fmnist_root() -> Path:
-    from torchvision.datasets import FashionMNIST
-
+def _fmnist_files() -> tuple[dict[str, Path], str]:
+    """Fashion-MNIST's four IDX files (``{name: path}``) and the fix to print if one is damaged."""
     env = os.environ.get("MCD_DATA_DIR")
-    if env and _has_fmnist(Path(env).expanduser()):
-        return Path(env).expanduser()
-    root = cache_root()
-    if _has_fmnist(root):
-        return root
-    if all((DEBIAN_FMNIST_DIR / f"{f}.gz").exists() for f in _FMNIST_FILES):
-        _extract_debian(root)
-        return root
+    for root in data_roots():
+        found = _find(root / "FashionMNIST" / "raw", _FMNIST_FILES)
+        if found is not None:
+            return found, ("Delete it and put a good copy there (from github.com/zalandoresearch/fashion-mnist), "
+                           "or delete it to let torchvision download it.")
+    found = _find(DEBIAN_FMNIST_DIR, _FMNIST_FILES)
+    if found is not None:
+        return found, "Reinstall the package: `sudo apt-get install --reinstall dataset-fashion-mnist`."
     try:
-        FashionMNIST(str(root), train=True, download=True)
-        return root
-    except Exception as err:  # no network, a proxy, a full disk: all end the same way
+        found = _download_idx("FashionMNIST", "FashionMNIST", _FMNIST_FILES)
+    except Exception as err:  # no network, a proxy, a full disk, a read-only folder: all end the same way
+        root = cache_root()
         raise DataNotFoundError(
             "Fashion-MNIST (the ID set) was not found. Looked in:\n"
             f"  1. $MCD_DATA_DIR = {env or '(not set)'}: put the four IDX files (.gz or extracted) "
-            "in $MCD_DATA_DIR/FashionMNIST/raw/;\n"
+            f"in {root / 'FashionMNIST' / 'raw'}/;\n"
             f"  2. {DEBIAN_FMNIST_DIR}: install the Debian package with "
             "`sudo apt-get install dataset-fashion-mnist`;\n"
             f"  3. torchvision's download into {root}: failed with {type(err).__name__}: {err}. "
             "Connect to the internet, or fill place 1 or 2.") from err
+    return found, "Delete it to let torchvision download it again."
+
+
+def _read_images_labels(images: Path, labels: Path, fix: str, n_classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = read_idx(images, fix), read_idx(labels, fix)
+    if x.dim() != 3 or tuple(x.shape[1:]) != (28, 28):
+        raise CorruptDataError(f"{images} holds images of shape {tuple(x.shape[1:])}, expected 28x28. {fix}")
+    if y.dim() != 1 or len(y) != len(x):
+        raise CorruptDataError(f"{labels} holds {tuple(y.shape)} labels for the {len(x)} images of {images}; "
+                               f"the two files do not belong together. {fix}")
+    if len(y) and int(y.max()) >= n_classes:
+        raise CorruptDataError(f"{labels} holds the label {int(y.max())}, expected 0-{n_classes - 1}. {fix}")
+    return x, y
 
 
 def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fashion-MNIST as normalised tensors.
+
+    The IDX files are read in memory (``.gz`` or extracted, :func:`~mcd_helpers.datafiles.read_idx`);
+    nothing is extracted to disk.
 
     Returns:
         ``(x, y)``: ``x`` of shape ``(N, 1, 28, 28)`` float32 (normalised), ``y`` of shape ``(N,)``
@@ -114,12 +139,14 @@ def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
     Raises:
         DataNotFoundError: when none of the three places holds the data (see the module docstring).
+        CorruptDataError: (a DataNotFoundError) when a file is cut short, not gzip or not IDX, or
+            images and labels do not match; the message names the file and the fix.
     """
-    from torchvision.datasets import FashionMNIST
-
-    ds = FashionMNIST(str(_fmnist_root()), train=train, download=False)
-    x = ds.data.unsqueeze(1).float().div_(255.0)  # (N, 1, 28, 28) in [0, 1]
-    return normalize(x), ds.targets.long()
+    files, fix = _fmnist_files()
+    split = "train" if train else "t10k"
+    x, y = _read_images_labels(files[f"{split}-images-idx3-ubyte"], files[f"{split}-labels-idx1-ubyte"], fix)
+    x = x.unsqueeze(1).float().div_(255.0)  # (N, 1, 28, 28) in [0, 1]
+    return normalize(x), y.long()
 
 
 ID_DATASETS = ("fashion_mnist", "cifar10", "cifar100")
@@ -138,8 +165,6 @@ def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if name == "fashion_mnist":
         return load_fashion_mnist(train)
     if name in ("cifar10", "cifar100"):
-        from .cifar import load_cifar
-
         return load_cifar(name, train)
     raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
 
@@ -173,40 +198,25 @@ def _photo_crops(n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def _mnist() -> torch.Tensor:
-    from torchvision.datasets import MNIST
-
-    root = cache_root()
-    try:
-        ds = MNIST(str(root), train=False, download=True)
-    except Exception as err:
-        raise DataNotFoundError(
-            f"MNIST was not found in {root}/MNIST/raw/ and torchvision's download failed "
-            f"({type(err).__name__}). Put MNIST's four IDX files there (set $MCD_DATA_DIR to choose "
-            "the folder) or connect to the internet; the offline OOD sets are "
-            f"{', '.join(OFFLINE_OOD_SETS)}.") from err
-    return ds.data.unsqueeze(1).float().div_(255.0)
-
-
-def odin_noise(name: str, n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
-    """ODIN's noise OOD sets (Liang et al. 2018), pixels in [0, 1], not normalised.
-
-    ``gaussian``: ``clamp(N(0.5, 1), 0, 1)`` per pixel; ``uniform``: ``U[0, 1]`` per pixel. Drawn
-    from a generator seeded with ``seed``, so the same arguments give the same images.
-
-    Shapes:
-        returns ``(n, *shape)`` float32, e.g. ``shape = (1, 28, 28)`` or ``(3, 32, 32)``.
-
-    Raises:
-        ValueError: on a name other than ``gaussian``/``uniform`` or ``n < 1``.
-    """
-    if name not in ("gaussian", "uniform"):
-        raise ValueError(f"unknown noise set {name!r}; choose from gaussian, uniform.")
-    if n < 1:
-        raise ValueError(f"a noise set needs at least one sample, got n={n}.")
-    g = torch.Generator().manual_seed(seed)
-    if name == "gaussian":
-        return torch.clamp(torch.randn((n, *shape), generator=g) + 0.5, 0.0, 1.0)
-    return torch.rand((n, *shape), generator=g)
+    """MNIST's 10,000 test images ``(10000, 1, 28, 28)`` in [0, 1]: from the cache folders, else downloaded."""
+    for root in data_roots():
+        found = _find(root / "MNIST" / "raw", _MNIST_TEST_FILES)
+        if found is not None:
+            fix = f"Delete it to let torchvision download it again (or put a good copy in {root / 'MNIST' / 'raw'})."
+            break
+    else:
+        try:
+            found = _download_idx("MNIST", "MNIST", _MNIST_TEST_FILES)
+        except Exception as err:
+            root = cache_root()
+            raise DataNotFoundError(
+                f"MNIST was not found in {root}/MNIST/raw/ and torchvision's download failed "
+                f"({type(err).__name__}). Put MNIST's IDX files there (set $MCD_DATA_DIR to choose "
+                "the folder) or connect to the internet; the offline OOD sets are "
+                f"{', '.join(OFFLINE_OOD_SETS)}.") from err
+        fix = "Delete it to let torchvision download it again."
+    x, _ = _read_images_labels(found["t10k-images-idx3-ubyte"], found["t10k-labels-idx1-ubyte"], fix)
+    return x.unsqueeze(1).float().div_(255.0)
 
 
 def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
@@ -230,8 +240,6 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
             downloadable (:class:`mcd_helpers.cifar.ChecksumError` for a corrupt archive).
     """
     if id_dataset in ("cifar10", "cifar100"):
-        from .cifar import load_cifar_ood
-
         return load_cifar_ood(name, n, seed)
     if id_dataset != "fashion_mnist":
         raise ValueError(f"no OOD sets defined for ID data set {id_dataset!r}; "
@@ -250,6 +258,29 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
     else:
         x = _mnist()
     return normalize(x)
+
+
+def ood_set_size(name: str, n: int = 10_000, id_dataset: str = "fashion_mnist") -> int:
+    """The number of images :func:`load_ood` would return, making sure the set can be had (cheap).
+
+    Files are looked for (and downloaded or extracted when missing) but generated sets are not
+    drawn and ODIN's images not decoded, so a run can check every OOD set before training.
+
+    Raises:
+        ValueError: on an unknown name; DataNotFoundError (or ChecksumError, CorruptDataError):
+            when the set cannot be had.
+    """
+    if id_dataset in ("cifar10", "cifar100"):
+        from .cifar import ood_set_size as cifar_ood_set_size
+
+        return cifar_ood_set_size(name, n)
+    if name not in OOD_SETS:
+        raise ValueError(f"unknown OOD set {name!r}; choose from {', '.join(OOD_SETS)}.")
+    if name == "digits":
+        return 1797
+    if name == "mnist":
+        return len(_mnist())
+    return n
 
 
 # ----------------------------------------------------------------------------------------------

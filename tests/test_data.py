@@ -46,7 +46,112 @@ def test_debian_layout_is_extracted_and_read(tmp_data_dir, tmp_path, monkeypatch
     x, y = load_fashion_mnist(train=False)
     assert x.shape == (3, 1, 28, 28) and y.tolist() == [4, 5, 6]
     torch.testing.assert_close(x[:, 0], normalize(torch.from_numpy(imgs["t10k"]).float() / 255))
-    assert (tmp_data_dir / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte").exists()
+    # Read in memory: nothing extracted, so no half-written file can stay behind (finding 3).
+    assert not tmp_data_dir.exists() or list(tmp_data_dir.rglob("*")) == []
+
+
+def _fake_fmnist(folder, gz, rng=None):
+    """The four IDX files in ``folder`` (gzipped or not); returns the test images and labels."""
+    rng = rng or np.random.RandomState(1)
+    folder.mkdir(parents=True, exist_ok=True)
+    arrays = {"train-images-idx3-ubyte": rng.randint(0, 256, (4, 28, 28)), "train-labels-idx1-ubyte": np.array([0, 1, 2, 3]),
+              "t10k-images-idx3-ubyte": rng.randint(0, 256, (2, 28, 28)), "t10k-labels-idx1-ubyte": np.array([7, 8])}
+    for name, array in arrays.items():
+        header = bytes([0, 0, 8, array.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+        blob = header + array.astype(np.uint8).tobytes()
+        if gz:
+            with gzip.open(folder / f"{name}.gz", "wb") as f:
+                f.write(blob)
+        else:
+            (folder / name).write_bytes(blob)
+    return arrays["t10k-images-idx3-ubyte"], arrays["t10k-labels-idx1-ubyte"]
+
+
+@pytest.mark.parametrize("gz", [True, False], ids=["gz", "extracted"])
+def test_documented_layout_in_mcd_data_dir_is_read(tmp_data_dir, tmp_path, monkeypatch, gz):
+    # Finding 1: the .gz files in $MCD_DATA_DIR/FashionMNIST/raw/ (as the README says) ended in
+    # torchvision's "Dataset not found"; both forms must be read, without the Debian package or a download.
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", tmp_path / "no-debian")
+    import torchvision.datasets
+    monkeypatch.setattr(torchvision.datasets, "FashionMNIST", _fail_download)
+    imgs, labels = _fake_fmnist(tmp_data_dir / "FashionMNIST" / "raw", gz)
+    x, y = load_fashion_mnist(train=False)
+    assert y.tolist() == labels.tolist()
+    torch.testing.assert_close(x[:, 0], normalize(torch.from_numpy(imgs).float() / 255))
+
+
+def test_missing_data_dir_falls_back_to_the_debian_package(tmp_data_dir, tmp_path, monkeypatch):
+    # Finding 1: an $MCD_DATA_DIR without Fashion-MNIST must fall back to the Debian package.
+    imgs, labels = _fake_fmnist(tmp_path / "debian", gz=True)
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", tmp_path / "debian")
+    (tmp_data_dir / "FashionMNIST" / "raw").mkdir(parents=True)  # an empty raw/ folder, as a user may leave it
+    x, y = load_fashion_mnist(train=False)
+    assert y.tolist() == labels.tolist()
+
+
+@pytest.mark.parametrize("damage, problem", [
+    (lambda b: b[:len(b) // 2], "cut short"),
+    (lambda b: b"\x00\x00\x09\x03" + b[4:], "not an IDX file"),
+    (lambda b: b + b"\x00" * 5, "longer than its header says"),
+])
+def test_a_damaged_idx_file_is_named_with_the_problem_and_the_fix(tmp_data_dir, tmp_path, monkeypatch, damage, problem):
+    # Finding 8: a truncated or wrong-magic file raised a bare AssertionError or a reshape error naming no file.
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", tmp_path / "no-debian")
+    raw = tmp_data_dir / "FashionMNIST" / "raw"
+    _fake_fmnist(raw, gz=False)
+    path = raw / "t10k-images-idx3-ubyte"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(data.CorruptDataError, match=f"{path}.*{problem}.*Delete it"):
+        load_fashion_mnist(train=False)
+
+
+def test_a_corrupt_debian_gzip_is_named_and_leaves_nothing_behind(tmp_data_dir, tmp_path, monkeypatch):
+    # Finding 8: a corrupt Debian .gz raised a raw error and left a 47 MB .tmp file in the cache.
+    deb = tmp_path / "debian"
+    _fake_fmnist(deb, gz=True)
+    gz_path = deb / "t10k-images-idx3-ubyte.gz"
+    blob = gz_path.read_bytes()
+    gz_path.write_bytes(blob[:len(blob) - 30])  # cut inside the deflate stream
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", deb)
+    with pytest.raises(data.CorruptDataError, match=f"{gz_path}.*cut short.*apt-get install --reinstall"):
+        load_fashion_mnist(train=False)
+    assert not tmp_data_dir.exists() or list(tmp_data_dir.rglob("*")) == []
+
+
+def test_concurrent_first_use_of_the_debian_package_never_crashes(tmp_data_dir, tmp_path, monkeypatch):
+    # Finding 3: two runs extracting to the fixed name <file>.tmp crashed with FileNotFoundError.
+    import threading
+
+    deb = tmp_path / "debian"
+    _, labels = _fake_fmnist(deb, gz=True)
+    monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", deb)
+    results, errors = [], []
+
+    def load():
+        try:
+            results.append(load_fashion_mnist(train=False)[1].tolist())
+        except Exception as err:  # noqa: BLE001  (collected and asserted below)
+            errors.append(err)
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and results == [labels.tolist()] * 8
+    assert not tmp_data_dir.exists() or not list(tmp_data_dir.rglob("*.tmp"))
+
+
+def test_data_and_cifar_do_not_import_each_other():
+    # data.py imported cifar.py (load_cifar) and cifar.py imported data.py (cache_root, ...): a cycle.
+    import ast
+    import mcd_helpers.cifar as cifar_module
+
+    tree = ast.parse(open(cifar_module.__file__).read())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "data" not in imported and "mcd_helpers.data" not in imported
+    from mcd_helpers import data as d, cifar as c
+    assert d.DataNotFoundError is c.DataNotFoundError and d.cache_root is c.cache_root  # old import paths
+    assert d.odin_noise is c.odin_noise
 
 
 @pytest.mark.skipif(not data.DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
