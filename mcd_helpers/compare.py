@@ -86,6 +86,9 @@ class ComparisonTable:
                         "same" if c.same else "DIFFERENT"))
         return out
 
+    def __repr__(self) -> str:
+        return str(self)
+
     def __str__(self) -> str:
         rows = self.rows()
         w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
