@@ -241,29 +241,126 @@ def test_02_backward_twice_through_a_shared_graph_raises():
 # 03: gradients add up
 # ---------------------------------------------------------------------------------------------
 
+def _parts(model, x_s, y_s, x_u, strategy):
+    """(L_sup, L_unsup) from two forwards or from one concatenated forward, written out by hand."""
+    if strategy == "separate":
+        return supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    n = len(x_s)
+    o1, o2 = model(torch.cat([x_s, x_u]))
+    return supervised_loss(o1[:n], o2[:n], y_s), discrepancy_loss(o1[n:], o2[n:])
+
+
+def _batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(4, 1, 4, 4, generator=g, dtype=torch.float64), torch.tensor([0, 1, 2, 0]),
+            2 * torch.randn(3, 1, 4, 4, generator=g, dtype=torch.float64) + 1)
+
+
+def _accumulate_grad_nodes(fn, found):
+    if hasattr(fn, "variable"):
+        found[id(fn.variable)] = fn
+    for nxt, _ in (fn.next_functions if fn is not None else ()):
+        _accumulate_grad_nodes(nxt, found)
+    return found
+
+
+def test_03_both_forwards_reach_the_same_accumulate_grad_node():
+    model = TinyTwoHead().double()
+    ls, lu = _parts(model, *_batch(), "separate")
+    a, b = _accumulate_grad_nodes(ls.grad_fn, {}), _accumulate_grad_nodes(lu.grad_fn, {})
+    assert set(a) == set(b) == {id(p) for p in model.parameters()}
+    assert all(a[k] is b[k] for k in a)
+
+
+def test_03_parameter_hook_fires_once_per_backward_with_the_summed_gradient():
+    torch.manual_seed(0)
+    model = TinyTwoHead().double()
+    w = model.head_a.weight
+    ls, lu = _parts(model, *_batch(), "separate")
+    g_s, g_u = torch.autograd.grad(ls, w, retain_graph=True)[0], torch.autograd.grad(lu, w)[0]
+    assert g_s.abs().max() > 1e-3 and g_u.abs().max() > 1e-3
+    calls = []
+    handle = w.register_hook(lambda g: calls.append(g.clone()))
+    sum(_parts(model, *_batch(), "separate")).backward()
+    assert len(calls) == 1
+    torch.testing.assert_close(calls[0], g_s + g_u, rtol=0, atol=1e-12)
+    calls.clear()
+    ls, lu = _parts(model, *_batch(), "separate")
+    ls.backward()
+    lu.backward()
+    handle.remove()
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
 @pytest.mark.parametrize("norm", ["none", "batch"])
-def test_03_gradients_of_separate_parts_add_up_even_with_batchnorm(norm):
+def test_03_linearity_holds_on_either_graph(norm, strategy):
     torch.manual_seed(0)
     model = TinyTwoHead(norm).double()
-    x_s, y_s, x_u = torch.randn(4, 1, 4, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 0]), torch.randn(3, 1, 4, 4, dtype=torch.float64)
     params = list(model.parameters())
-    ls, lu = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+    ls, lu = _parts(model, *_batch(), strategy)
     gs = torch.autograd.grad(ls, params, retain_graph=True)
     gu = torch.autograd.grad(lu, params, retain_graph=True)
     gt = torch.autograd.grad(ls + lu, params)
     for a, b, t in zip(gs, gu, gt):
         torch.testing.assert_close(a + b, t, rtol=0, atol=1e-12)
-    # Two backwards, no retain_graph: the subgraphs share only leaves; .grad accumulates the sum.
-    model.zero_grad(set_to_none=True)
-    ls, lu = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
+
+
+@pytest.mark.parametrize("norm, train, same", [("none", True, True), ("group", True, True), ("layer", True, True),
+                                               ("batch", False, True), ("batch", True, False)])
+def test_03_l_cat_equals_l_sep_at_the_same_theta_iff_no_layer_couples_samples(norm, train, same):
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = TinyTwoHead(norm).double().train(train)
+        results = {}
+        for strategy in ("concat", "separate"):
+            m = copy.deepcopy(model)
+            loss = sum(_parts(m, *_batch(seed), strategy))
+            results[strategy] = (loss.item(), torch.autograd.grad(loss, list(m.parameters())))
+        dl = abs(results["concat"][0] - results["separate"][0])
+        dg = max((a - b).abs().max().item() for a, b in zip(results["concat"][1], results["separate"][1]))
+        assert (dl < 1e-12 and dg < 1e-12) if same else (dl > 1e-6 and dg > 1e-6)
+
+
+def test_03_per_part_backward_needs_no_retain_graph_but_the_concat_graph_does():
+    torch.manual_seed(0)
+    model = TinyTwoHead().double()
+    gt = torch.autograd.grad(sum(_parts(model, *_batch(), "separate")), list(model.parameters()))
+    ls, lu = _parts(model, *_batch(), "separate")
     ls.backward()
     lu.backward()
-    for p, t in zip(params, gt):
+    for p, t in zip(model.parameters(), gt):
         torch.testing.assert_close(p.grad, t, rtol=0, atol=1e-12)
-    # ...but the concatenated forward is a different function when BatchNorm is in train mode.
-    gc_ = torch.autograd.grad(step_b_loss(model, x_s, y_s, x_u, "concat")[0], params)
-    gap = max((c - t).abs().max().item() for c, t in zip(gc_, gt))
-    assert (gap > 1e-6) if norm == "batch" else (gap < 1e-12)
+    cs, cu = _parts(model, *_batch(), "concat")
+    cs.backward()
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        cu.backward()
+
+
+def test_03_first_graph_is_freed_before_the_second_forward():
+    from mcd_helpers.memory import SavedTensorMeter
+    model = TinyTwoHead("batch").double()
+    x_s, y_s, x_u = _batch()
+    with SavedTensorMeter(exclude=[*model.parameters(), x_s, x_u]) as meter:
+        ls = supervised_loss(*model(x_s), y_s)
+        first = meter.live_bytes
+        ls.backward()
+        assert meter.live_bytes == 0
+        lu = discrepancy_loss(*model(x_u))
+        second = meter.live_bytes
+        lu.backward()
+    assert first > 0 and second > 0 and meter.peak_bytes == max(first, second)
+
+
+def test_03_separate_output_depends_only_on_its_own_batch():
+    torch.manual_seed(0)
+    model = TinyTwoHead("batch").double()
+    x_s, _, x_u = _batch()
+    x_s, x_u = x_s.requires_grad_(True), x_u.requires_grad_(True)
+    w = torch.randn(4, 3, dtype=torch.float64)
+    sep = torch.autograd.grad((w * model(x_s)[0]).sum(), x_u, allow_unused=True)[0]
+    cat = torch.autograd.grad((w * model(torch.cat([x_s, x_u]))[0][:4]).sum(), x_u)[0]
+    assert sep is None and cat.abs().max() > 1e-6
 
 
 def test_03_tiny_graph_node_counts():
