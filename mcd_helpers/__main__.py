@@ -16,9 +16,16 @@ yes/no fields are switches (``--compile`` / ``--no-compile``). The data root is
 ``$MCD_DATA_DIR`` (see :mod:`mcd_helpers.data`).
 
 Interrupted runs: checkpoints are written every ``--checkpoint-every`` steps and at every epoch
-end; SIGTERM (``kill``, a batch scheduler's time limit) saves one at once and exits with 143.
-``--resume`` with the same ``--out`` and settings continues; the results equal those of an
-uninterrupted run (exactly on the CPU).
+end; SIGTERM (``kill``, a batch scheduler's time limit) or SIGINT (Ctrl-C) finishes the step,
+saves one at once, prints how to resume and exits with 143 (SIGTERM) or 130 (SIGINT); a second
+Ctrl-C stops at once. ``--resume`` with the same ``--out`` and settings continues; the results
+equal those of an uninterrupted run (exactly on the CPU). A run that finds checkpoints of an
+unfinished run in ``--out`` stops unless given ``--resume`` (continue) or ``--fresh`` (delete them,
+start over). One run at a time per ``--out`` (``<out>/.lock``).
+
+Exit codes: 0 done; 1 a run error (diverged, unreadable checkpoint, an OOD set failed after
+others were written, a full disk); 2 a setting or the environment (bad flag value, data not
+found, folder not writable, ``--out`` in use or holding an unfinished run); 130 / 143 interrupted.
 """
 from __future__ import annotations
 
@@ -30,6 +37,7 @@ import typing
 from pathlib import Path
 
 from .config import MCDConfig
+from .errors import ConfigError
 from .presets import PRESETS, get_preset
 
 _FIELD_HELP = {
@@ -92,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--resume", action="store_true",
                      help="continue an interrupted run in --out from its last checkpoints (finished stages "
                      "are not redone); the settings must be those of the interrupted run")
+    rep.add_argument("--fresh", action="store_true",
+                     help="delete the checkpoints of an unfinished run in --out and start over (without it, "
+                     "a run that finds them stops and asks for --resume or --fresh)")
     rep.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     hints = typing.get_type_hints(MCDConfig)
     for f in dataclasses.fields(MCDConfig):
@@ -137,11 +148,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         cfg = config_from_args(args)
+    except ConfigError as err:
+        print(f"error: {err.flag}: {err}", file=sys.stderr)
+        return 2
     except (KeyError, ValueError) as err:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
     from .checkpoint import CorruptCheckpointError
-    from .data import DataNotFoundError
+    from .errors import (DataNotFoundError, DiskFullError, NotWritableError, OutputLockedError, PartialResultsError,
+                         UnfinishedRunError)
     from .reproduce import run_reproduction
     from .engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
@@ -153,17 +168,30 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+    resume_cmd = "Continue with the same command and --resume."
+    main_rank = False
     try:
         run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
-                         resume=args.resume)
+                         resume=args.resume, fresh=args.fresh)
         main_rank = is_main_process()
     except TrainingInterrupted as err:
-        print(f"interrupted: {err} Continue with the same command and --resume.", file=sys.stderr)
-        return 128 + signal.SIGTERM  # 143, what a process killed by SIGTERM reports
-    except (NonFiniteLossError, CorruptCheckpointError) as err:
+        print(f"interrupted: {err} {resume_cmd}", file=sys.stderr)
+        return 128 + err.signal  # 143 (SIGTERM) or 130 (SIGINT), what a shell reports for a process killed by it
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (loading data, evaluating), or a second Ctrl-C
+        print(f"interrupted (SIGINT): finished stages and the last checkpoint in {args.out / 'checkpoints'} "
+              f"are kept. {resume_cmd}", file=sys.stderr)
+        return 128 + signal.SIGINT
+    except PartialResultsError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    except (CheckpointMismatchError, DataNotFoundError, ValueError) as err:
+    except (NonFiniteLossError, CorruptCheckpointError, DiskFullError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except ConfigError as err:
+        print(f"error: {err.flag}: {err}", file=sys.stderr)
+        return 2
+    except (CheckpointMismatchError, DataNotFoundError, NotWritableError, OutputLockedError, UnfinishedRunError,
+            ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     finally:

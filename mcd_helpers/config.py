@@ -91,58 +91,68 @@ class MCDConfig:
     def __post_init__(self) -> None:
         from .models import NORMS
 
+        f32_max = torch.finfo(torch.float32).max
         checks = [
-            (self.model in ("small_cnn", "densenet_bc_100", "wrn_28_10"),
+            ("model", self.model in ("small_cnn", "densenet_bc_100", "wrn_28_10"),
              f"model must be small_cnn, densenet_bc_100 or wrn_28_10, got {self.model!r}"),
-            (self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"),
-            (self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}"),
-            (len(self.strategies) > 0 and all(s in STRATEGIES for s in self.strategies),
+            ("norm", self.norm in NORMS, f"norm must be one of {NORMS}, got {self.norm!r}"),
+            ("schedule", self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}"),
+            ("strategies", len(self.strategies) > 0 and all(s in STRATEGIES for s in self.strategies),
              f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies!r}"),
-            (len(self.ood_sets) > 0, "ood_sets is empty: name at least one OOD set"),
-            (self.margin >= 0, f"margin must be >= 0 nats, got {self.margin}"),
-            (min(self.batch_size_sup, self.batch_size_unsup, self.pretrain_batch_size) > 0,
-             "batch sizes must be positive"),
-            (self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}, got {self.amp!r}"),
-            (self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps (0 = epoch ends only), "
-                                         f"got {self.checkpoint_every}"),
-            (self.train_subset >= 0, f"train_subset must be >= 0 (0 = all training images), got {self.train_subset}"),
-            (self.test_subset >= 0, f"test_subset must be >= 0 (0 = the whole test set), got {self.test_subset}"),
-            (self.id_dataset in ID_DATASETS, f"id_dataset must be one of {ID_DATASETS}, got {self.id_dataset!r}"),
-            (self.model == "small_cnn" or self.norm == "batch",
+            ("ood_sets", len(self.ood_sets) > 0, "ood_sets is empty: name at least one OOD set"),
+            ("margin", self.margin >= 0, f"margin must be >= 0 nats, got {self.margin}"),
+            ("batch_size_sup", self.batch_size_sup > 0, f"batch_size_sup must be positive, got {self.batch_size_sup}"),
+            ("batch_size_unsup", self.batch_size_unsup > 0, f"batch_size_unsup must be positive, got {self.batch_size_unsup}"),
+            ("pretrain_batch_size", self.pretrain_batch_size > 0,
+             f"pretrain_batch_size must be positive, got {self.pretrain_batch_size}"),
+            ("amp", self.amp in AMP_MODES, f"amp must be one of {AMP_MODES}, got {self.amp!r}"),
+            ("checkpoint_every", self.checkpoint_every >= 0, f"checkpoint_every must be >= 0 steps (0 = epoch ends only), "
+                                                             f"got {self.checkpoint_every}"),
+            ("train_subset", self.train_subset >= 0, f"train_subset must be >= 0 (0 = all training images), got {self.train_subset}"),
+            ("test_subset", self.test_subset >= 0, f"test_subset must be >= 0 (0 = the whole test set), got {self.test_subset}"),
+            ("id_dataset", self.id_dataset in ID_DATASETS, f"id_dataset must be one of {ID_DATASETS}, got {self.id_dataset!r}"),
+            ("norm", self.model == "small_cnn" or self.norm == "batch",
              f"norm={self.norm!r} applies to small_cnn only; {self.model} always uses BatchNorm (leave norm=batch)"),
-            (self.n_val >= 1, f"n_val must be >= 1 validation sample of each of ID and OOD (official: 1000), got {self.n_val}"),
-            (self.ood_size >= 1, f"ood_size must be >= 1 generated OOD image, got {self.ood_size}"),
-            (self.pretrain_epochs >= 1, f"pretrain_epochs must be >= 1, got {self.pretrain_epochs}"),
-            (self.finetune_epochs >= 1, f"finetune_epochs must be >= 1, got {self.finetune_epochs}"),
-            (self.steps_per_epoch >= 0, f"steps_per_epoch must be >= 0 (0 = a full pass), got {self.steps_per_epoch}"),
-            (self.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
-            (0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
-            (math.isfinite(self.margin), f"margin must be a finite number of nats, got {self.margin}"),
-            (self.num_threads >= 0, f"num_threads must be >= 0 (0 = PyTorch's default), got {self.num_threads}"),
+            ("n_val", self.n_val >= 1, f"n_val must be >= 1 validation sample of each of ID and OOD (official: 1000), got {self.n_val}"),
+            ("ood_size", self.ood_size >= 1, f"ood_size must be >= 1 generated OOD image, got {self.ood_size}"),
+            ("pretrain_epochs", self.pretrain_epochs >= 1, f"pretrain_epochs must be >= 1, got {self.pretrain_epochs}"),
+            ("finetune_epochs", self.finetune_epochs >= 1, f"finetune_epochs must be >= 1, got {self.finetune_epochs}"),
+            ("steps_per_epoch", self.steps_per_epoch >= 0, f"steps_per_epoch must be >= 0 (0 = a full pass), got {self.steps_per_epoch}"),
+            ("eval_batch_size", self.eval_batch_size >= 1, f"eval_batch_size must be >= 1, got {self.eval_batch_size}"),
+            ("seed", 0 <= self.seed < 2**32, f"seed must be in [0, 2**32), got {self.seed}"),
+            ("split_seed", 0 <= self.split_seed < 2**32,
+             f"split_seed must be in [0, 2**32) (NumPy's RandomState; official: 3), got {self.split_seed}"),
+            ("margin", math.isfinite(self.margin), f"margin must be a finite number of nats, got {self.margin}"),
+            ("margin", not math.isfinite(self.margin) or self.margin <= f32_max,
+             f"margin must be at most {f32_max:.4g} nats (float32's largest number: the loss is computed in "
+             f"float32 and a larger margin becomes inf), got {self.margin}; the official margin is 1.2"),
+            ("num_threads", self.num_threads >= 0, f"num_threads must be >= 0 (0 = PyTorch's default), got {self.num_threads}"),
+            ("pretrain_milestones", all(m >= 0 for m in self.pretrain_milestones),
+             f"pretrain_milestones must be epochs >= 0, got {tuple(self.pretrain_milestones)}"),
         ]
         for name in ("pretrain_lr", "finetune_lr"):
             value = getattr(self, name)
-            checks.append((math.isfinite(value) and value > 0, f"{name} must be a positive number, got {value}"))
+            checks.append((name, math.isfinite(value) and value > 0, f"{name} must be a positive number, got {value}"))
         for name in ("pretrain_momentum", "finetune_momentum", "pretrain_weight_decay", "finetune_weight_decay"):
             value = getattr(self, name)
             ok = math.isfinite(value) and value >= 0 and (value < 1 or "decay" in name)
-            checks.append((ok, f"{name} must be {'in [0, 1)' if 'momentum' in name else '>= 0'}, got {value}"))
+            checks.append((name, ok, f"{name} must be {'in [0, 1)' if 'momentum' in name else '>= 0'}, got {value}"))
         try:
             device = torch.device(self.device)
         except (RuntimeError, TypeError):
-            checks.append((False, f"device must be a torch device such as cpu or cuda, got {self.device!r}"))
+            checks.append(("device", False, f"device must be a torch device such as cpu or cuda, got {self.device!r}"))
         else:
-            checks.append((device.type in ("cpu", "cuda", "mps", "xpu"),
+            checks.append(("device", device.type in ("cpu", "cuda", "mps", "xpu"),
                            f"device must be cpu or cuda (or mps/xpu), got {self.device!r}"))
-        for ok, msg in checks:
+        for name, ok, msg in checks:
             if not ok:
-                raise ValueError(msg + ".")
+                raise ConfigError(name, msg + ".")
         self.ood_sets = tuple(self.ood_sets)
         self.strategies = tuple(self.strategies)
         self.pretrain_milestones = tuple(self.pretrain_milestones)
 
     def check_ood_sets(self) -> None:
-        """Raise ``ValueError`` naming the known sets if ``ood_sets`` holds a name the loaders lack.
+        """Raise :class:`~mcd_helpers.errors.ConfigError` (a ``ValueError``) naming the known sets if ``ood_sets`` holds a name the loaders lack.
 
         Called by :func:`~mcd_helpers.reproduce.run_reproduction` before any work (not in
         ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names).
@@ -150,7 +160,7 @@ class MCDConfig:
         known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else CIFAR_OOD_SETS
         unknown = [name for name in self.ood_sets if name not in known]
         if unknown:
-            raise ValueError(f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
+            raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

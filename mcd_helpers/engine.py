@@ -6,7 +6,7 @@
   (:class:`mcd_helpers.distributed.ShardedBatches`), so the global batches are the single-process ones.
 * The GPU fast path: :func:`prepare_model` (device, ``channels_last``, :func:`compile_model`),
   :func:`autocast` (bfloat16), :func:`place` / :func:`take` (data held on the device).
-* Run control: :func:`stop_on_sigterm` (finish the step, checkpoint, stop),
+* Run control: :func:`stop_on_sigterm` (SIGTERM or SIGINT: finish the step, checkpoint, stop),
   :func:`read_back` (per-step losses kept on the device and read back once per checkpoint, then
   checked for NaN/inf), :func:`load_stage_state` (resume, refusing a checkpoint of other settings).
 """
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 __all__ = ["NonFiniteLossError", "TrainingInterrupted", "CheckpointMismatchError", "ShuffledBatches", "compile_model", "prepare_model",
-           "autocast", "place", "take", "stop_on_sigterm", "read_back", "load_stage_state"]
+           "autocast", "place", "take", "stop_on_sigterm", "stop_on_signal", "StopFlag", "read_back", "load_stage_state"]
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -32,7 +32,15 @@ class CheckpointMismatchError(ValueError):
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGTERM arrived; the stage was checkpointed after the step in progress (resume to continue)."""
+    """SIGTERM or SIGINT (Ctrl-C) arrived; the stage was checkpointed after the step in progress.
+
+    ``signal`` is the signal's number: the command line exits with ``128 + signal`` (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process killed by it.
+    """
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signal = int(signum)
 
 
 class ShuffledBatches:
@@ -149,18 +157,46 @@ def take(t: torch.Tensor, idx: torch.Tensor, device: torch.device, channels_last
     return batch
 
 
+class StopFlag:
+    """Set by :func:`stop_on_sigterm`'s handler: ``requested`` and the signal's ``name`` and number."""
+
+    def __init__(self):
+        self.requested, self.signum, self.name = False, None, ""
+
+    def interrupted(self, message: str) -> TrainingInterrupted:
+        """The exception to raise once the checkpoint is saved; ``message`` follows the signal's name."""
+        return TrainingInterrupted(f"{self.name} {message}", self.signum)
+
+
 @contextlib.contextmanager
 def stop_on_sigterm(enabled: bool):
-    """Yield a flag whose ``requested`` turns True on SIGTERM (main thread only; handler restored after)."""
-    flag = type("StopFlag", (), {"requested": False})()
+    """Yield a :class:`StopFlag` whose ``requested`` turns True on SIGTERM or SIGINT (Ctrl-C).
+
+    The loop finishes the step in progress, saves a checkpoint and raises ``flag.interrupted(...)``.
+    After the first SIGINT, a second one interrupts at once (``KeyboardInterrupt``), for a user who
+    does not want to wait for the step. Main thread only; the handlers are restored afterwards.
+    """
+    flag = StopFlag()
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield flag
         return
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: setattr(flag, "requested", True))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum, frame):
+        flag.requested, flag.signum, flag.name = True, signum, signal.Signals(signum).name
+        if signum == signal.SIGINT:  # the next Ctrl-C stops at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    for sig in previous:
+        signal.signal(sig, handler)
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+stop_on_signal = stop_on_sigterm  # the same: SIGTERM and SIGINT
 
 
 def read_back(pending: list, names: tuple[str, ...], stage: str, checkpoint) -> list[list[float]]:

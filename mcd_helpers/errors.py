@@ -44,6 +44,9 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.field = field
 
+    def __reduce__(self):
+        return (type(self), (self.field, str(self)))
+
     @property
     def flag(self) -> str:
         return "--" + self.field.replace("_", "-")
@@ -55,3 +58,6 @@ class PartialResultsError(RuntimeError):
     def __init__(self, message: str, failures: dict[str, str]):
         super().__init__(message)
         self.failures = failures
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.failures))

@@ -122,7 +122,8 @@ def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 
     Wraps ``torchviz.make_dot(loss, params=dict(model.named_parameters()), ...)``.
 
     Args:
-        loss: a tensor with a ``grad_fn`` (or a tuple of them, drawn into one picture).
+        loss: a tensor with a ``grad_fn``, or a list or tuple of them (drawn jointly into one picture:
+            shared nodes appear once).
         model: names the parameter leaves (e.g. ``F1.weight``); None leaves them unnamed.
         max_nodes: refuse graphs with more backward nodes than this (a DenseNet-BC-100 Step B
             has ~1,000 nodes; no drawing of that is readable); None draws any size.
@@ -146,6 +147,8 @@ def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 
             "boxes would be too small to read. Call graph_stats(loss) for a count by node type, draw a "
             "smaller model (e.g. one block, or small_cnn), or pass max_nodes=None to draw it anyway.")
     make_dot = _import_make_dot()
+    if isinstance(loss, list):
+        loss = tuple(loss)  # make_dot draws a tuple of outputs into one picture; a list is unhashable there
     params = dict(model.named_parameters()) if model is not None else None
     with warnings.catch_warnings():
         # torchviz 0.0.3 compares versions with distutils' LooseVersion, which warns on every call.

@@ -91,13 +91,18 @@ def discrepancy_loss(logits1: torch.Tensor, logits2: torch.Tensor, margin: float
         logits1, logits2: ``(N, K)`` with N >= 1 -> scalar.
 
     Raises:
-        ValueError: on mismatched shapes, an empty batch or a negative, NaN or infinite margin.
+        ValueError: on mismatched shapes, an empty batch or a negative, NaN or infinite margin, or one
+            beyond the logits' dtype (1e39 in float32).
     """
     check_logits(logits1, logits2)
     if logits1.shape[0] == 0:
         raise ValueError("discrepancy_loss needs at least one unlabeled sample, got an empty batch.")
     if not (math.isfinite(margin) and margin >= 0):
         raise ValueError(f"margin must be a finite number >= 0 nats (official: 1.2), got {margin}.")
+    top = torch.finfo(logits1.dtype).max if logits1.dtype.is_floating_point else math.inf
+    if margin > top:
+        raise ValueError(f"margin={margin:g} nats is larger than the largest {logits1.dtype} number ({top:.4g}): "
+                         "the loss would be inf. Use a margin of a few nats (official: 1.2).")
     gap = (entropy(logits1) - entropy(logits2)).mean()
     return torch.clamp(margin - gap, min=0)
 

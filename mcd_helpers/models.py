@@ -34,7 +34,7 @@ class TwoHeadNet(nn.Module):
         x: ``(N, C, H, W)`` -> ``(logits1, logits2)``, each ``(N, K)``.
 
     Raises:
-        ValueError: if ``x`` is not a 4-D float batch, its channel count is not ``in_channels`` or
+        ValueError: if ``x`` is not a 4-D float batch of the model's dtype, its channel count is not ``in_channels`` or
             its images are smaller than ``min_size`` pixels (``small_cnn``: 8, DenseNet-BC: 4).
     """
 
@@ -64,6 +64,11 @@ class TwoHeadNet(nn.Module):
         if not x.dtype.is_floating_point:
             raise ValueError(f"expected float images, got dtype {x.dtype}; convert with x.float() / 255 "
                              "(and normalise as the training data was).")
+        param = next(self.parameters(), None)
+        if (param is not None and param.dtype.is_floating_point and x.dtype != param.dtype
+                and not torch.is_autocast_enabled(x.device.type)):
+            raise ValueError(f"expected {param.dtype} images (the model's dtype), got {x.dtype}; convert the batch "
+                             f"with x.to({param.dtype}) (or the model with model.to({x.dtype})).")
         if min(x.shape[2:]) < self.min_size:
             raise ValueError(f"images of {x.shape[2]}x{x.shape[3]} are too small for this model, which needs "
                              f"at least {self.min_size}x{self.min_size} (its pooling would leave nothing); "

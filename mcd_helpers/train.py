@@ -29,8 +29,8 @@ against a hand-written loop):
 * **Checkpoints** (``checkpoint=``, a :class:`~mcd_helpers.checkpoint.RollingCheckpoint`) every
   ``cfg.checkpoint_every`` steps and at each epoch end hold the model, optimizer, scheduler, the
   RNG states, epoch and step, the history and (fine-tuning) the best validation AUROC and its
-  weights. ``resume=True`` continues from them exactly. SIGTERM finishes the step in progress,
-  saves, and raises :class:`TrainingInterrupted`.
+  weights. ``resume=True`` continues from them exactly. SIGTERM or SIGINT (Ctrl-C) finishes the
+  step in progress, saves, and raises :class:`TrainingInterrupted` (its ``signal`` says which).
 * **Fast path** (config fields, all off by default): ``amp="bf16"`` (autocast, no loss scaling
   needed for bfloat16), ``channels_last``, ``compile`` (G only, ``dynamic=False``: one graph per
   batch shape, compiled once; see :func:`compile_model`), ``data_on_device``.
@@ -184,7 +184,7 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
 
     Raises:
         NonFiniteLossError: when a loss becomes NaN or inf (names the step; last checkpoint kept).
-        TrainingInterrupted: after SIGTERM (only while ``checkpoint`` is given), once saved.
+        TrainingInterrupted: after SIGTERM or SIGINT (only while ``checkpoint`` is given), once saved.
         CheckpointMismatchError: (a ValueError) if ``resume`` finds a checkpoint of other settings.
     """
     device = torch.device(cfg.device)
@@ -237,8 +237,8 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
                     if checkpoint is not None:
                         save(epoch, step + 1)
                     if stop.requested:
-                        raise TrainingInterrupted(f"SIGTERM in {stage} step {step + 1}/{steps}; "
-                                                  f"saved in {checkpoint.folder}. Resume to continue.")
+                        raise stop.interrupted(f"in {stage} step {step + 1}/{steps}; "
+                                               f"saved in {checkpoint.folder}. Resume to continue.")
             start_step = 0
             # ---- epoch end: losses read back and checked, lr decay, checkpoint ----
             epoch_losses += [r[0] for r in read_back(pending, ("ce",), "pre-training", checkpoint)]
@@ -249,7 +249,7 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
-                    raise TrainingInterrupted(f"SIGTERM at the end of {stage}; saved in {checkpoint.folder}.")
+                    raise stop.interrupted(f"at the end of {stage}; saved in {checkpoint.folder}.")
     return history
 
 
@@ -285,7 +285,7 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
     Raises:
         NonFiniteLossError: when a loss becomes NaN or inf (names the step and the loss parts;
             the last good checkpoint is kept).
-        TrainingInterrupted: after SIGTERM (only while ``checkpoint`` is given), once saved.
+        TrainingInterrupted: after SIGTERM or SIGINT (only while ``checkpoint`` is given), once saved.
         ValueError: on an unknown strategy; CheckpointMismatchError (a ValueError) on a checkpoint
             written with other settings.
     """
@@ -358,8 +358,8 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
                     if checkpoint is not None:
                         save(epoch, step + 1)
                     if stop.requested:
-                        raise TrainingInterrupted(f"SIGTERM in {stage} step {step + 1}/{steps}; "
-                                                  f"saved in {checkpoint.folder}. Resume to continue.")
+                        raise stop.interrupted(f"in {stage} step {step + 1}/{steps}; "
+                                               f"saved in {checkpoint.folder}. Resume to continue.")
             start_step = 0
             log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
             # ---- model selection on the validation split ----
@@ -374,7 +374,7 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
-                    raise TrainingInterrupted(f"SIGTERM at the end of {stage}; saved in {checkpoint.folder}.")
+                    raise stop.interrupted(f"at the end of {stage}; saved in {checkpoint.folder}.")
     if best is not None:
         net.load_state_dict(best)
     return hist
