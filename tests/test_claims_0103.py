@@ -1,7 +1,9 @@
 """Unit tests behind the prose claims of notebooks 01-03 (each named after its notebook section).
 
-Claims about compare_strategies, BatchNorm statistics, coupling, dropout and cost live in
-test_compare.py; claims about graphs and draw_graph in test_graphs.py.
+Claims about compare_strategies, coupling and step cost live in test_compare.py; graphs and
+draw_graph in test_graphs.py; the losses in test_losses.py; infinite_loader in test_data.py;
+running-statistics steady states in test_bn_stats.py; schedule memory in test_memory.py.
+Tests here that would repeat those were removed.
 """
 import copy
 import gc
@@ -127,19 +129,6 @@ def test_02_dataloader_is_not_subscriptable():
         _toy_loader()[0]
 
 
-def _passes(it, n_pass=3, per_pass=3):
-    return [[next(it)[0].tolist() for _ in range(per_pass)] for _ in range(n_pass)]
-
-
-def test_02_cycle_replays_the_first_pass_infinite_loader_reshuffles():
-    cyc = _passes(itertools.cycle(_toy_loader()))
-    assert cyc[0] == cyc[1] == cyc[2]
-    inf = _passes(infinite_loader(_toy_loader()))
-    assert inf[0] != inf[1] and inf[1] != inf[2]
-    for p in inf:  # every pass is a permutation of the data
-        assert sorted(v for batch in p for v in batch) == list(range(6))
-
-
 def _kept_alive(it, n=3):
     refs = [weakref.ref(next(it)[0]) for _ in range(n)]
     gc.collect()
@@ -149,12 +138,6 @@ def _kept_alive(it, n=3):
 def test_02_cycle_holds_the_first_pass_in_memory():
     assert _kept_alive(itertools.cycle(_toy_loader())) == 3
     assert _kept_alive(infinite_loader(_toy_loader())) <= 1
-
-
-def test_02_zip_stops_at_the_shorter_loader():
-    long_, short = DataLoader(TensorDataset(torch.arange(10)), batch_size=2), DataLoader(TensorDataset(torch.arange(4)), batch_size=2)
-    assert len(list(zip(long_, short))) == 2
-    assert len(list(zip(long_, infinite_loader(short)))) == 5
 
 
 def _train(model, batches, concat, lr=0.05):
@@ -200,31 +183,37 @@ def test_02_float32_addition_is_not_associative_float64_is_tighter():
     assert d32 > 0 and d64 < 1e-10 and d64 < d32
 
 
-def test_02_one_mean_over_a_concatenation_weights_parts_by_size():
+def test_02_one_mean_over_a_concatenation_weights_parts_by_size_row_by_row():
     g = torch.Generator().manual_seed(0)
-    logits, y = torch.randn(64, 10, generator=g, dtype=torch.float64), torch.randint(0, 10, (64,), generator=g)
+    y = torch.randint(0, 10, (64,), generator=g)
+    logits = torch.randn(64, 10, generator=g, dtype=torch.float64)
     n_a = 48
+    logits[:n_a] += 4 * F.one_hot(y[:n_a], 10)  # part A fitted, part B not: their losses really differ
     ce_a, ce_b = F.cross_entropy(logits[:n_a], y[:n_a]), F.cross_entropy(logits[n_a:], y[n_a:])
+    assert ce_b.item() - ce_a.item() > 1.0
     ce_cat = F.cross_entropy(logits, y)
     assert ce_cat.item() == pytest.approx((n_a * ce_a.item() + 16 * ce_b.item()) / 64, abs=1e-12)
-    # Per-sample weights by autograd: 1/64 in the concatenated mean; 1/48 and 1/16 in CE_A + CE_B.
+    # dCE/dlogits per row: 1/64 in the concatenated mean; 1/48 and 1/16 in CE_A + CE_B.
     lg = logits.clone().requires_grad_(True)
     (F.cross_entropy(lg[:n_a], y[:n_a]) + F.cross_entropy(lg[n_a:], y[n_a:])).backward()
     lg2 = logits.clone().requires_grad_(True)
     F.cross_entropy(lg2, y).backward()
-    torch.testing.assert_close(lg.grad[n_a:], 4 * lg2.grad[n_a:])  # B samples: (1/16) / (1/64)
-    torch.testing.assert_close(lg.grad[:n_a], (64 / 48) * lg2.grad[:n_a])
+    torch.testing.assert_close(lg.grad[n_a:], 4 * lg2.grad[n_a:], rtol=0, atol=1e-15)  # B rows: (1/16) / (1/64)
+    torch.testing.assert_close(lg.grad[:n_a], (64 / 48) * lg2.grad[:n_a], rtol=0, atol=1e-15)
+    assert F.cosine_similarity(lg.grad.flatten(), lg2.grad.flatten(), dim=0) < 0.999  # another direction
 
 
-def test_02_optimizer_step_between_forward_and_backward_raises():
+def test_02_optimizer_step_between_forward_and_backward_raises_with_the_versions():
     torch.manual_seed(0)
     model = TinyTwoHead()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x_s, y_s, x_u = torch.randn(3, 1, 4, 4), torch.tensor([0, 1, 2]), torch.randn(2, 1, 4, 4)
     loss_sup, loss_unsup = supervised_loss(*model(x_s), y_s), discrepancy_loss(*model(x_u))
-    loss_sup.backward(retain_graph=True)
+    before = model.head_a.weight._version
+    loss_sup.backward()  # no retain_graph: the graphs share no saved tensors
     opt.step()
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+    assert model.head_a.weight._version == before + 1
+    with pytest.raises(RuntimeError, match=f"is at version {before + 1}; expected version {before} instead"):
         loss_unsup.backward()
 
 
@@ -235,6 +224,51 @@ def test_02_backward_twice_through_a_shared_graph_raises():
     loss_sup.backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         (loss_sup + loss_unsup).backward()
+
+
+def test_02_one_backward_per_part_trains_exactly_like_the_summed_backward_with_batchnorm():
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 1, 6, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (5,), generator=g),
+                torch.randn(3, 1, 6, 6, generator=g, dtype=torch.float64)) for _ in range(3)]
+    start = TinyTwoHead("batch").double()
+    summed = _train(copy.deepcopy(start), batches, concat=False)
+    per_part = copy.deepcopy(start)
+    opt = torch.optim.SGD(per_part.parameters(), lr=0.05)
+    for x_s, y_s, x_u in batches:
+        opt.zero_grad()
+        supervised_loss(*per_part(x_s), y_s).backward()
+        discrepancy_loss(*per_part(x_u)).backward()
+        opt.step()
+    for a, b in zip(summed.state_dict().values(), per_part.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)  # parameters and running statistics
+
+
+def test_02_dropout_masks_are_identical_on_cpu_when_reseeded():
+    x = torch.ones(16, 32, dtype=torch.float64)
+    drop = nn.Dropout(0.5)
+    torch.manual_seed(3)
+    cat = drop(x)
+    torch.manual_seed(3)
+    sep = torch.cat([drop(x[:10]), drop(x[10:])])
+    assert torch.equal(cat, sep)
+    torch.manual_seed(3)
+    drop(x)
+    assert not torch.equal(torch.cat([drop(x[:10]), drop(x[10:])]), cat)  # a continued stream: other masks
+
+
+def test_02_concatenated_running_var_has_the_between_group_term():
+    from mcd_helpers.bn_stats import batch_stats, pooled_variance, unbiased
+    g = torch.Generator().manual_seed(0)
+    h_s = torch.randn(6, 3, 4, 4, generator=g, dtype=torch.float64)
+    h_u = torch.randn(5, 3, 4, 4, generator=g, dtype=torch.float64) + 2.0
+    bn = nn.BatchNorm2d(3).double()
+    with torch.no_grad():
+        bn(torch.cat([h_s, h_u]))
+    (m_s, v_s, n_s), (m_u, v_u, n_u) = batch_stats(h_s), batch_stats(h_u)
+    expected = 0.9 * torch.ones(3, dtype=torch.float64) + 0.1 * unbiased(pooled_variance(m_s, v_s, n_s, m_u, v_u, n_u), n_s + n_u)
+    torch.testing.assert_close(bn.running_var, expected, rtol=0, atol=1e-12)
+    within = 0.9 + 0.1 * unbiased((n_s * v_s + n_u * v_u) / (n_s + n_u), n_s + n_u)
+    assert (bn.running_var - within).min() > 0.05  # without the between-group term it would be far off
 
 
 # ---------------------------------------------------------------------------------------------
