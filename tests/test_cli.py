@@ -39,9 +39,14 @@ def test_flags_override_the_preset_and_parse_their_types():
     assert cfg.steps_per_epoch == PRESETS["quick"].steps_per_epoch  # untouched: the preset's value
 
 
-def test_resume_and_retrain_are_switches():
+def test_resume_and_fresh_exclude_each_other(capsys, tmp_path, monkeypatch):
+    import mcd_helpers.reproduce as reproduce
+
+    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded although the flags conflict"))
     args = build_parser().parse_args(["reproduce", "--out", "x", "--resume"])
-    assert args.resume is True and args.retrain is False
+    assert (args.resume, args.fresh, args.retrain) == (True, False, False)
+    assert main(["reproduce", "--out", str(tmp_path / "o"), "--resume", "--fresh"]) == 2
+    assert "--fresh: --resume continues the checkpoints in --out and --fresh deletes them" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -149,3 +149,14 @@ def test_discrepancy_loss_refuses_a_margin_that_is_not_finite_and_non_negative(m
 def test_scores_refuse_a_temperature_that_is_not_positive_and_finite(score, temperature):
     with pytest.raises(ValueError, match="temperature"):
         score(torch.zeros(2, 3), temperature)
+
+
+def test_a_margin_beyond_float32_is_refused_not_blamed_on_the_learning_rate():
+    # Finding 8: --margin 1e39 was accepted, became inf in float32 and ended as "non-finite loss ... lower the lr".
+    from mcd_helpers.losses import discrepancy_loss
+
+    l1, l2 = torch.randn(4, 3), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"margin=1e\+39 nats is larger than the largest torch.float32 number"):
+        discrepancy_loss(l1, l2, 1e39)
+    # In float64 it is representable: the hinge is then margin - gap, finite.
+    assert torch.isfinite(discrepancy_loss(l1.double(), l2.double(), 1e39))

@@ -75,9 +75,10 @@ def test_missing_batch_axis_raises_with_hint():
         small_cnn()(torch.randn(1, 28, 28))
 
 
-@pytest.mark.parametrize("kwargs", [{"norm": "layer"}, {"dropout": 1.0}])
-def test_bad_builder_arguments(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, match", [({"norm": "layer"}, r"norm must be one of \('batch', 'group', 'none'\), got 'layer'"),
+                                           ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0")])
+def test_bad_builder_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         small_cnn(**kwargs)
 
 
@@ -103,7 +104,19 @@ def test_smallest_accepted_images_go_through():
     assert l1.shape == l2.shape == (2, 10)
 
 
-@pytest.mark.parametrize("kwargs", [dict(width=0), dict(width=12, norm="group"), dict(in_channels=0)])
-def test_bad_builder_arguments_are_refused(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(width=0), "width and in_channels must be positive numbers of channels, got 0 and 1"),
+    (dict(width=12, norm="group"), r"channels \(12, 24, 48\) must split into min\(8, channels\) equal groups.*got 12"),
+    (dict(in_channels=0), "width and in_channels must be positive numbers of channels, got 32 and 0"),
+])
+def test_bad_builder_arguments_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         small_cnn(**kwargs)
+
+
+def test_a_float64_batch_into_a_float32_model_is_refused_with_the_fix():
+    # Finding 8: a raw "mat1 and mat2 must have the same dtype" / "Input type (double) and bias type (float)".
+    with pytest.raises(ValueError, match=r"expected torch.float32 images \(the model's dtype\), got torch.float64.*x.to\(torch.float32\)"):
+        small_cnn()(torch.randn(2, 1, 28, 28, dtype=torch.float64))
+    l1, _ = small_cnn().double().eval()(torch.randn(2, 1, 28, 28, dtype=torch.float64))  # matching dtypes work
+    assert l1.dtype == torch.float64
