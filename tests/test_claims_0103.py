@@ -29,17 +29,6 @@ from tiny_models import MLPTwoHead, TinyTwoHead
 # 01: the two-head model and the losses
 # ---------------------------------------------------------------------------------------------
 
-def test_01_small_cnn_shapes_and_shared_features():
-    model = small_cnn().eval()
-    x = torch.randn(8, 1, 28, 28)
-    with torch.no_grad():
-        feat = model.G(x)
-        l1, l2 = model(x)
-    assert feat.shape == (8, 128) and l1.shape == l2.shape == (8, 10)
-    torch.testing.assert_close(l1, model.F1(feat), rtol=0, atol=0)
-    torch.testing.assert_close(l2, model.F2(feat), rtol=0, atol=0)
-
-
 def test_01_small_cnn_parameter_count_by_hand():
     w = 32
     convs = [(1, w), (w, 2 * w), (2 * w, 4 * w)]
@@ -53,16 +42,6 @@ def _np_entropy(logits):
     z = logits - logits.max(axis=1, keepdims=True)
     p = np.exp(z) / np.exp(z).sum(axis=1, keepdims=True)
     return -(p * np.log(np.clip(p, 1e-300, None))).sum(axis=1)
-
-
-@pytest.mark.parametrize("k", [2, 10, 100])
-def test_01_entropy_uniform_is_log_k_and_bounded(k):
-    assert entropy(torch.zeros(1, k)).item() == pytest.approx(math.log(k), abs=1e-6)
-    assert entropy(torch.tensor([[30.0] + [0.0] * (k - 1)])).item() < 1e-9
-    logits = 5 * torch.randn(500, k, dtype=torch.float64)
-    h = entropy(logits)
-    np.testing.assert_allclose(h.numpy(), _np_entropy(logits.numpy()), atol=1e-10)
-    assert (h >= 0).all() and (h <= math.log(k) + 1e-9).all()
 
 
 def _pair_with_gap(gap, k=10):
@@ -83,27 +62,54 @@ def test_01_hinge_worked_numbers(gap, expected):
     assert discrepancy_loss(*_pair_with_gap(gap), margin=1.2).item() == pytest.approx(expected, abs=1e-6)
 
 
-def test_01_no_gradient_beyond_the_margin_and_mean_before_hinge():
-    l1, l2 = _pair_with_gap(2.0)
-    l2.requires_grad_(True)
-    discrepancy_loss(l1, l2, margin=1.2).backward()
-    assert l2.grad.abs().max().item() == 0.0
-    a, b = _pair_with_gap(2.0), _pair_with_gap(0.2)
-    both = discrepancy_loss(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]]), margin=1.2).item()
-    assert both == pytest.approx(1.2 - 1.1, abs=1e-6)  # mean gap 1.1, then the hinge
-    per_sample_hinges = (0.0 + 1.0) / 2  # what hinge-then-mean would give
-    assert abs(both - per_sample_hinges) > 0.3
+def test_01_mean_before_hinge_lets_ood_samples_carry_the_gap():
+    # Two OOD-like samples (gap 2.25) and two ID-like ones (gap 0.2): mean 1.225 > m = 1.2.
+    pairs = [_pair_with_gap(g) for g in (2.25, 2.25, 0.2, 0.2)]
+    l1 = torch.cat([a for a, _ in pairs]).requires_grad_(True)
+    l2 = torch.cat([b for _, b in pairs]).requires_grad_(True)
+    loss = discrepancy_loss(l1, l2, margin=1.2)
+    assert loss.item() == 0.0
+    g1, g2 = torch.autograd.grad(loss, (l1, l2))
+    assert g1.abs().max() == 0 and g2.abs().max() == 0  # the ID-like samples are left agreeing
+    per_sample = torch.clamp(1.2 - (entropy(l1) - entropy(l2)), min=0).mean()  # hinge, then mean
+    assert per_sample.item() == pytest.approx(0.5, abs=1e-6)
+    h1, h2 = torch.autograd.grad(per_sample, (l1, l2))
+    assert h2[2:].abs().max() > 1e-3 and h1[:2].abs().max() == 0  # it would push the ID-like samples
 
 
-def test_01_discrepancy_score_values_and_range():
+def _openood_entropy(logits):
+    """OpenOOD's openood/trainers/mcd_trainer.py: softmax and sum over dim 0 (the batch axis)."""
+    score = torch.softmax(logits, dim=0)
+    return torch.sum(-score * torch.log(score), dim=0)
+
+
+def test_01_openood_entropy_is_over_the_batch_and_torch_max_is_not_a_hinge():
+    two = torch.tensor([[6.0, 0.0, 0.0], [6.0, 0.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(_openood_entropy(two), torch.full((3,), math.log(2), dtype=torch.float64))
+    assert (entropy(two) < 0.05).all()
+    x = torch.randn(7, 5, dtype=torch.float64)
+    np.testing.assert_allclose(_openood_entropy(x).numpy(), _np_entropy(x.numpy().T))  # the transpose's entropy
+    gap = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+    not_a_hinge = torch.max(1.2 - gap, 0)[0]
+    assert not_a_hinge.item() == pytest.approx(-0.8)
+    assert torch.autograd.grad(not_a_hinge, gap)[0].item() == -1.0
+    hinge = torch.nn.functional.relu(1.2 - gap)  # OpenOOD's concatenated-forward version
+    assert hinge.item() == 0.0
+
+
+def test_01_score_rises_to_two_minus_two_over_k_as_f2_grows_confident():
     k = 10
-    a = torch.tensor([[40.0] + [0.0] * (k - 1)])
-    b = torch.tensor([[0.0, 40.0] + [0.0] * (k - 2)])
-    assert discrepancy_score(a, a).item() == 0.0
-    assert discrepancy_score(torch.zeros(1, k), a).item() == pytest.approx(2 - 2 / k, abs=1e-6)
-    assert discrepancy_score(a, b).item() == pytest.approx(2.0, abs=1e-6)
-    s = discrepancy_score(8 * torch.randn(5000, k, dtype=torch.float64), 8 * torch.randn(5000, k, dtype=torch.float64))
-    assert s.min() >= 0 and s.max() <= 2 + 1e-12
+    s = torch.stack([discrepancy_score(torch.zeros(1, k, dtype=torch.float64), t * torch.eye(k, dtype=torch.float64)[:1])[0]
+                     for t in torch.linspace(0, 40, 41)])
+    assert (s.diff() >= 0).all() and s[0] == 0 and s[-1].item() == pytest.approx(2 - 2 / k, abs=1e-12)
+
+
+def test_01_fashion_mnist_test_set_is_near_mean_0_std_1():
+    from mcd_helpers import data
+    if not data.DEBIAN_FMNIST_DIR.exists():
+        pytest.skip("dataset-fashion-mnist not installed")
+    x, _ = data.load_fashion_mnist(train=False)
+    assert abs(x.mean().item()) < 0.05 and abs(x.std().item() - 1) < 0.05
 
 
 def test_01_at_initialisation_heads_are_near_uniform():
