@@ -174,3 +174,35 @@ def test_resume_refuses_a_finished_stage_of_other_settings(tmp_path):
                                                             "val_auroc": [0.5], "seconds": 1.0})
     with pytest.raises(CheckpointMismatchError, match="other settings"):
         reproduce._finetuned(cfg, base, None, None, None, "gaussian", "separate", tmp_path, False, True, resume=True)
+
+
+def test_sigint_mid_finetuning_saves_exits_130_and_resumes_exactly(reference, tmp_path):
+    # Finding 2: Ctrl-C printed a traceback, saved nothing at that moment and gave no resume hint.
+    out = tmp_path / "out"
+    proc = _interrupted(out, reference["cache"], "step_b_loss", 11, "SIGINT")  # epoch 2, step 3
+    assert proc.returncode == 130, proc.stderr
+    assert "SIGINT in fine-tuning (separate) 2/2 step 3/8" in proc.stderr and "--resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    state = torch.load(out / STAGE / "last.pt", weights_only=True)
+    assert (state["epoch"], state["step"]) == (1, 3)  # saved right after the step in progress
+    assert json.loads((out / "run.json").read_text())["status"] == "interrupted"
+    assert not (out / "results.json").exists()
+    assert _run(out, reference["cache"], "--resume") == 0
+    _assert_same(_metrics(out), reference["metrics"])
+    assert _metrics(out) == reference["metrics"]  # exactly equal
+
+
+def test_a_rerun_without_resume_keeps_the_checkpoints_and_says_what_to_do(reference, tmp_path, capsys):
+    # Finding 2: the same command without --resume deleted the checkpoints without a word.
+    out = tmp_path / "out"
+    proc = _interrupted(out, reference["cache"], "step_b_loss", 11, "SIGTERM")
+    assert proc.returncode == 143, proc.stderr
+    before = (out / STAGE / "last.pt").read_bytes()
+    assert _run(out, reference["cache"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds checkpoints of an unfinished run" in err and "--resume" in err and "--fresh" in err
+    assert (out / STAGE / "last.pt").read_bytes() == before  # nothing deleted
+    # --fresh deletes them and starts over: the numbers of an uninterrupted run.
+    assert _run(out, reference["cache"], "--fresh") == 0
+    assert _metrics(out) == reference["metrics"]
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
