@@ -190,6 +190,18 @@ def comparison_path(cfg, ood: str, strategy: str = "separate", folder: Path | No
     return folder / f"compare-{ood}-{strategy}-{key}.pt"
 
 
+def _odin_to_state(odin: OdinParams) -> dict:
+    """ODIN's parameters as checkpoint-safe plain data: the ``{(T, eps): AUROC}`` grid as ``[[T, eps, AUROC], ...]``
+    (checkpoint keys must be strings or numbers)."""
+    return {"temperature": odin.temperature, "epsilon": odin.epsilon,
+            "val_auroc": [[t, e, a] for (t, e), a in odin.val_auroc.items()]}
+
+
+def _odin_from_state(state: dict) -> OdinParams:
+    """Inverse of :func:`_odin_to_state`."""
+    return OdinParams(state["temperature"], state["epsilon"], {(t, e): a for t, e, a in state["val_auroc"]})
+
+
 def cached_comparison(base: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_test: torch.Tensor,
                       y_test: torch.Tensor, cfg, ood: str, strategy: str = "separate", retrain: bool = False,
                       on_epoch: Callable[[int, FinetuneHistory], None] | None = None, progress: bool = False,
@@ -224,12 +236,12 @@ def cached_comparison(base: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor,
             if not quiet:
                 print(f"loaded the {ood} comparison from {path} (RETRAIN = True computes it again)")
             return MethodComparison(ood, state["rows"], state["scores"], model.to(cfg.device), hist,
-                                    OdinParams(**state["odin"])), split
+                                    _odin_from_state(state["odin"])), split
         except (CorruptCheckpointError, TypeError, RuntimeError) as err:
             print(f"{path} cannot be used ({err}); computing again.")
     comp = compare_methods(base, x_sup, y_sup, split, cfg, ood, strategy, on_epoch=on_epoch, progress=progress)
     save_checkpoint(path, {"rows": comp.rows, "scores": comp.scores, "history": dataclasses.asdict(comp.history),
-                           "odin": dataclasses.asdict(comp.odin), "model": comp.model.state_dict(),
+                           "odin": _odin_to_state(comp.odin), "model": comp.model.state_dict(),
                            "config": cfg.to_dict(), "ood": ood, "strategy": strategy})
     return comp, split
 
