@@ -10,28 +10,37 @@ Cases (each a function below, run on every rank; results are JSON-able dicts, on
 * ``parity``: one official MCD iteration (Step A, then Step B) in float64, under DDP with the
   chosen settings (:func:`mcd_helpers.distributed.wrap_ddp`), against single-process steps on
   the same global batches; per norm (``none``, ``batch``) and strategy.
-* ``find-unused``: ``find_unused_parameters=True`` with Step B's two forwards.
+* ``find-unused``: ``find_unused_parameters=True`` with Step B's two forwards, both using every
+  parameter: runs, but DDP's C++ side prints a performance warning to stderr (kept under ``"stderr"``).
+* ``find-unused-split``: forward 1 through G and F1 only, forward 2 through G and F2 only, one
+  backward: ``find_unused_parameters=True`` raises "Expected to mark a variable ready only once",
+  ``False`` runs.
 * ``broadcast-buffers``: ``forward_sync_buffers=True`` (the old ``broadcast_buffers=True``,
   DDP's default), train-mode BatchNorm, two forwards.
 * ``sync-bn-cpu``: SyncBatchNorm in training on the CPU.
 * ``step-a-bypass``: Step A called on the inner module (``net.features``/``net.F1``), not
   through DDP's ``forward``.
-* ``chosen``: the chosen settings for several iterations with BatchNorm and both strategies.
+* ``chosen``: the chosen settings for several iterations with BatchNorm and both strategies; the
+  per-rank running statistics, then :func:`~mcd_helpers.distributed.average_buffers` against rank 0's copy.
+* ``buffers``: one train-mode forward per rank, then rank 0's BatchNorm statistics (broadcast)
+  and the average over ranks, against one process forwarding the global batch.
+* ``no-sync``: gradient accumulation over 2 micro-batches with ``DDP.no_sync()`` on the first:
+  all-reduces counted with a communication hook, parameters against the single-process step.
 * ``engine``: :func:`mcd_helpers.train.finetune` itself (2 epochs of the official schedule,
   model selection included) under ``torchrun``, float64, no BatchNorm: the parameters to compare
   with the same call in one process (:func:`engine_setup`).
 
 A case that raises records ``{"error": type name, "message": ...}`` for that rank instead of
-crashing, so the pitfalls can be read back and asserted; DDP's warnings are kept under
-``"warnings"``. Collectives run with a 60 s timeout, so a
+crashing, so the pitfalls can be read back and asserted; DDP's Python warnings are kept under
+``"warnings"`` and the lines DDP's C++ side wrote to stderr during the case under ``"stderr"``. Collectives run with a 60 s timeout, so a
 rank whose partner died ends instead of hanging.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
-import math
 import os
 import subprocess
 import sys
@@ -41,22 +50,24 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .distributed import TwoForwardModes, all_ranks_equal, barrier, broadcast_buffers, cleanup, init_distributed, wrap_ddp
-from .losses import supervised_loss
+from .distributed import (TwoForwardModes, all_ranks_equal, average_buffers, barrier, broadcast_buffers, cleanup,
+                          init_distributed, wrap_ddp)
+from .losses import discrepancy_loss, supervised_loss
 from .models import small_cnn
 from .train import step_b_loss
 
 __all__ = ["CASES", "QUICK_FLAGS", "launch", "launch_reproduction", "tiny_model", "global_batches", "engine_setup",
-           "engine_gap", "code_tag"]
+           "engine_gap", "code_tag", "OneHead", "shard", "no_sync_reference"]
 
 B, K, HW = 4, 3, 8  # per-rank batch, classes, image side: seconds per case on a CPU
 MARGIN, LR = 1.2, 0.1
 # With K = 3 classes an entropy is at most log 3 = 1.10 nats < MARGIN, so the discrepancy hinge is
-# active on every batch: the mean of per-shard hinges equals the hinge of the global mean.
-assert math.log(K) < MARGIN
+# active on every batch: the mean of per-shard hinges equals the hinge of the global mean
+# (tests/test_distributed.py checks it on these batches, and that it fails with K = 10).
 
 
 def tiny_model(norm: str) -> nn.Module:
@@ -73,6 +84,26 @@ def global_batches(world: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     y_sup = torch.randint(0, K, (n,), generator=g)
     x_unsup = 2 * torch.randn(n, 1, HW, HW, generator=g, dtype=torch.float64)
     return x_sup, y_sup, x_unsup
+
+
+def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous share ``t[rank*B:(rank+1)*B]`` of a global batch of ``world * B`` rows."""
+    return t[rank * B:(rank + 1) * B]
+
+
+class OneHead(nn.Module):
+    """A :class:`~mcd_helpers.models.TwoHeadNet` whose forward uses G and *one* head: ``forward(x, head)``.
+
+    ``head=1``: ``F1(G(x))``; ``head=2``: ``F2(G(x))``; each ``(N, K)``. Two forwards, one per head,
+    use different parameter subsets: the case where ``find_unused_parameters=True`` fails.
+    """
+
+    def __init__(self, net: nn.Module):
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor, head: int) -> torch.Tensor:
+        return (self.net.F1 if head == 1 else self.net.F2)(self.net.features(x))
 
 
 def _sgd(model: nn.Module) -> torch.optim.SGD:
@@ -197,13 +228,110 @@ def case_chosen(rank: int, world: int) -> dict:
         others = [torch.empty_like(mean) for _ in range(world)]
         dist.all_gather(others, mean)
         before = max(float((o - mean).abs().max()) for o in others)
-        broadcast_buffers(net)
+        rank0 = copy.deepcopy(net)
+        broadcast_buffers(rank0)
+        average_buffers(net)
+        gathered_mean = torch.stack(others).mean(0)
         dist.all_gather(others, net.G[1].running_mean)
         after = max(float((o - net.G[1].running_mean).abs().max()) for o in others)
         out[strategy] = {"replicas": all_ranks_equal(net), "running_mean_spread": before,
-                         "running_mean_spread_after_broadcast": after,
+                         "running_mean_spread_after_average": after,
+                         "average_vs_mean_of_ranks": float((net.G[1].running_mean - gathered_mean).abs().max()),
+                         "rank0_vs_average": float((rank0.G[1].running_mean - net.G[1].running_mean).abs().max()),
                          "num_batches_tracked": int(net.G[1].num_batches_tracked)}
     return out
+
+
+def case_find_unused_split(rank: int, world: int) -> dict:
+    """Forward 1 through G + F1 only, forward 2 through G + F2 only, one backward; False then True."""
+    xs, ys, xu = (shard(t, rank, world) for t in global_batches(world))
+    out = {}
+    for flag in (False, True):
+        net = tiny_model("none")
+        ddp = DDP(OneHead(net), find_unused_parameters=flag, forward_sync_buffers=False)
+        opt = _sgd(ddp)
+        try:
+            loss = F.cross_entropy(ddp(xs, 1), ys) + F.cross_entropy(ddp(xu, 2), ys)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            out[str(flag)] = {"error": None, "replicas": all_ranks_equal(net)}
+        except RuntimeError as err:
+            out[str(flag)] = {"error": type(err).__name__, "message": str(err).strip().splitlines()[0][:300]}
+    return out
+
+
+def case_buffers(rank: int, world: int) -> dict:
+    """One train-mode forward of each rank's shard; the first BatchNorm's running statistics:
+    rank 0's (what :func:`broadcast_buffers` spreads), the mean over ranks (:func:`average_buffers`)
+    and those of one process forwarding the global batch; plus eval-mode logits with each."""
+    x_all = global_batches(world)[0]
+    net, ref = tiny_model("batch").train(), tiny_model("batch").train()
+    with torch.no_grad():
+        net(shard(x_all, rank, world))  # what each rank's training forward does to the buffers
+        ref(x_all)
+    bn, bn_ref = net.G[1], ref.G[1]
+    own = {"mean": bn.running_mean.tolist(), "var": bn.running_var.tolist()}
+    rank0 = copy.deepcopy(net)
+    broadcast_buffers(rank0)
+    average_buffers(net)
+    x_eval = 2 * global_batches(world)[2][:8]  # evaluation inputs, the same on every rank
+    with torch.no_grad():
+        logits = [m.eval()(x_eval)[0] for m in (rank0, net, ref)]
+    return {"own": own,
+            "rank0": {"mean": rank0.G[1].running_mean.tolist(), "var": rank0.G[1].running_var.tolist()},
+            "average": {"mean": bn.running_mean.tolist(), "var": bn.running_var.tolist()},
+            "global": {"mean": bn_ref.running_mean.tolist(), "var": bn_ref.running_var.tolist()},
+            "eval_logits_rank0_vs_global": float((logits[0] - logits[2]).abs().max()),
+            "eval_logits_average_vs_global": float((logits[1] - logits[2]).abs().max())}
+
+
+def no_sync_reference(world: int) -> dict:
+    """The single-process step that case ``no-sync`` must equal: the global batch in 2 micro-batches
+    (rows ``[0, W*B/2)`` and ``[W*B/2, W*B)``), Step B's loss halved on each, gradients summed.
+
+    Rank r's micro-batch k is ``shard(t, r, W).chunk(2)[k]``; DDP all-reduces the sum of both
+    micro-batches' gradients once and divides by W: the mean over ranks, which for batch-mean
+    losses on equal shards (and an active hinge) is the gradient on global micro-batch k.
+    Returns ``{name: flat float64 list}`` of the parameters after one SGD step.
+    """
+    net = tiny_model("none")
+    opt = _sgd(net)
+    xs, ys, xu = global_batches(world)
+    opt.zero_grad(set_to_none=True)
+    for k in range(2):
+        rows = slice(k * world * B // 2, (k + 1) * world * B // 2)
+        (step_b_loss(net, xs[rows], ys[rows], xu[rows], "separate", MARGIN)[0] / 2).backward()
+    opt.step()
+    return {k: v.reshape(-1).tolist() for k, v in net.named_parameters()}
+
+
+def case_no_sync(rank: int, world: int) -> dict:
+    """Step B accumulated over 2 micro-batches per rank, ``no_sync()`` on the first; all-reduces counted."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    net = tiny_model("none")
+    ddp = wrap_ddp(net, "cpu")
+    calls = []
+
+    def counting_hook(state, bucket):
+        calls.append(bucket.index())
+        return allreduce_hook(state, bucket)
+
+    ddp.register_comm_hook(None, counting_hook)
+    opt = _sgd(ddp)
+    parts = [t.chunk(2) for t in (shard(t, rank, world) for t in global_batches(world))]
+    opt.zero_grad(set_to_none=True)
+    with ddp.no_sync():  # micro-batch 1: gradients stay local, accumulate in .grad
+        (step_b_loss(ddp, parts[0][0], parts[1][0], parts[2][0], "separate", MARGIN)[0] / 2).backward()
+    after_first = len(calls)
+    (step_b_loss(ddp, parts[0][1], parts[1][1], parts[2][1], "separate", MARGIN)[0] / 2).backward()
+    opt.step()
+    ref = no_sync_reference(world)
+    gap = max(float((torch.tensor(ref[k], dtype=torch.float64) - v.reshape(-1)).abs().max())
+              for k, v in net.named_parameters())
+    return {"allreduces_after_no_sync_backward": after_first, "allreduces_after_synced_backward": len(calls),
+            "vs_single_process": gap, "replicas": all_ranks_equal(net)}
 
 
 def engine_setup():
@@ -268,7 +396,29 @@ def code_tag(*parts: str) -> str:
 
 CASES = {"parity": case_parity, "find-unused": case_find_unused, "broadcast-buffers": case_broadcast_buffers,
          "sync-bn-cpu": case_sync_bn_cpu, "step-a-bypass": case_step_a_bypass, "chosen": case_chosen,
-         "engine": case_engine}
+         "buffers": case_buffers, "no-sync": case_no_sync, "engine": case_engine,
+         "find-unused-split": case_find_unused_split}
+
+
+@contextlib.contextmanager
+def _stderr_lines():
+    """Collect what is written to file descriptor 2 (C++ warnings included) while the block runs.
+
+    Yields a list that holds the lines once the block has ended; the previous stderr is restored.
+    """
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines.extend(tmp.read().decode(errors="replace").splitlines())
 
 
 def _run_rank(cases: list[str], out: Path) -> None:
@@ -276,7 +426,7 @@ def _run_rank(cases: list[str], out: Path) -> None:
     torch.set_num_threads(1)
     results = {}
     for case in cases:
-        with warnings.catch_warnings(record=True) as caught:
+        with warnings.catch_warnings(record=True) as caught, _stderr_lines() as stderr:
             warnings.simplefilter("always")
             try:
                 result = CASES[case](env.rank, env.world_size)
@@ -284,6 +434,7 @@ def _run_rank(cases: list[str], out: Path) -> None:
                 result = {"error": type(err).__name__, "message": str(err).strip().splitlines()[0][:300]}
         result["warnings"] = sorted({str(w.message).splitlines()[0][:200] for w in caught
                                      if "ddp" in str(w.message).lower() or "find_unused" in str(w.message)})
+        result["stderr"] = [line[:300] for line in stderr if "find_unused_parameters" in line]
         results[case] = result
         barrier()  # the next case starts together on every rank
     out.mkdir(parents=True, exist_ok=True)

@@ -31,21 +31,28 @@ Train-mode BatchNorm breaks the equivalence: each rank normalises with its own s
 * ``find_unused_parameters=False``: every parameter of G, F1 and F2 receives a gradient in
   every backward (pre-training, Step A with F2 on detached features, Step B), so DDP needs no
   search for unused parameters; ``True`` walks the autograd graph after every forward, i.e. twice
-  per Step B, for nothing. (Often said to *fail* with several forwards before one backward. In
-  torch 2.14.1 on CPU/Gloo, measured by ``ddp_demo`` case ``find-unused``, Step B's two forwards
-  with ``True`` run, raise nothing, warn nothing, and keep the replicas equal, because both
-  forwards use every parameter.)
-* ``forward_sync_buffers=False`` (torch 2.14's name; the older ``broadcast_buffers=False`` is
-  deprecated there and, unlike it, would also skip the one buffer broadcast at construction): with
-  ``True`` (DDP's default) DDP copies rank 0's buffers
-  (BatchNorm's ``running_mean``/``running_var``) into every rank, in place, at the start of *each*
-  forward: two broadcasts per Step B, and each rank's running statistics thrown away before the
-  second forward. Where a batch-norm kernel saves the running buffers for its backward, the
-  in-place copy before the second forward raises "modified by an inplace operation" in
-  ``backward`` (reported for GPUs). In torch 2.14.1 on CPU it runs (case ``broadcast-buffers``:
-  no error, replicas equal). With ``False`` each rank keeps its own running statistics;
-  :func:`broadcast_buffers` copies rank 0's into all ranks before every evaluation, so every rank
-  scores its test shard with the network that rank 0 saves.
+  per Step B, for nothing. Measured in torch 2.14.1 on CPU/Gloo (``ddp_demo``): when both forwards
+  use every parameter (case ``find-unused``), ``True`` runs and keeps the replicas equal, but the
+  C++ side prints a performance warning to stderr ("find_unused_parameters=True was specified in
+  DDP constructor, but did not find any unused parameters"; not a Python warning). When the two
+  forwards use different parameter subsets (forward 1 through G and F1 only, forward 2 through G
+  and F2 only; case ``find-unused-split``), ``True`` raises "Expected to mark a variable ready
+  only once" in the backward: the search after forward 1 marks F2 unused (ready), and forward 2's
+  gradient then reaches F2 as well. ``False`` runs that case.
+* ``forward_sync_buffers=False`` (torch 2.13+'s name; ``broadcast_buffers`` is deprecated since
+  2.13): with ``True`` (DDP's default) DDP copies rank 0's buffers (BatchNorm's
+  ``running_mean``/``running_var``) into every rank, in place, at the start of *each* forward: two
+  broadcasts per Step B, and the other ranks' running statistics thrown away each time. Older
+  torch versions raised "modified by an inplace operation" in ``backward`` when that copy hit a
+  buffer saved by the first forward (pytorch/pytorch#110363); torch 2.14.1 runs the copy inside
+  ``torch.autograd._unsafe_preserve_version_counter`` (``DistributedDataParallel._sync_buffers``
+  in ``torch/nn/parallel/distributed.py``, the fix of pytorch/pytorch#175024), so it no longer
+  raises (case ``broadcast-buffers``: no error, replicas equal). The two flags differ at
+  construction: ``broadcast_buffers=False`` also skips the initial buffer sync,
+  ``forward_sync_buffers=False`` (what :func:`wrap_ddp` passes) keeps it, so every rank starts
+  from rank 0's parameters *and* buffers. With ``False`` each rank keeps its own running
+  statistics during training; :func:`average_buffers` replaces them by their mean over the ranks
+  before an evaluation (:func:`broadcast_buffers`, rank 0's copy, drops the other ranks' data).
 * ``--sync-bn``: :meth:`torch.nn.SyncBatchNorm.convert_sync_batchnorm`; train-mode BatchNorm
   then uses the statistics of the whole global batch (of each forward), so the concatenated
   strategy under DDP equals the single-process concatenated strategy. In this PyTorch SyncBatchNorm
@@ -86,7 +93,7 @@ from torch.utils.data import DistributedSampler
 __all__ = ["DistEnv", "dist_env", "init_distributed", "cleanup", "is_main_process", "barrier", "TwoForwardModes",
            "wrap_ddp", "unwrap", "check_sync_bn", "local_batch_size", "ShardedBatches", "make_batches", "stage_key",
            "shard_bounds",
-           "gather_scores", "broadcast_buffers", "all_ranks_equal"]
+           "gather_scores", "broadcast_buffers", "average_buffers", "all_ranks_equal"]
 
 
 @dataclass(frozen=True)
@@ -341,15 +348,37 @@ def gather_scores(fn, x: torch.Tensor):
 def broadcast_buffers(net: nn.Module) -> None:
     """Copy rank 0's buffers (BatchNorm running statistics) into every rank, in place.
 
-    Used before evaluation under ``forward_sync_buffers=False``: the ranks' running statistics
-    differ (each saw its own shard), and the scores of all shards must come from one network,
-    the one rank 0 saves. No-op in a single process.
+    Every rank then holds rank 0's statistics, computed from rank 0's shards only: the other
+    ranks' data are dropped. Prefer :func:`average_buffers` before an evaluation. No-op in a single
+    process.
     """
     if _world()[1] == 1:
         return
     with torch.no_grad():
         for buf in net.buffers():
             dist.broadcast(buf, src=0)
+
+
+def average_buffers(net: nn.Module) -> None:
+    """Replace every floating-point buffer by its mean over the ranks (``all_reduce`` SUM / W), in place.
+
+    Used before evaluation under ``forward_sync_buffers=False``, where each rank's BatchNorm
+    running statistics saw only its own shards. The running mean is an exponential moving average,
+    linear in the batch means, so with equal shards the average over ranks of ``running_mean`` is
+    exactly the ``running_mean`` of one process forwarding the global batches (same parameters).
+    ``running_var`` averages the per-rank (unbiased) variances of ``B / W`` samples: it lacks the
+    between-shard term ``Var_r(mu_r)`` of the global batch's variance (law of total variance), so
+    it is the global one only up to that term. Integer buffers (``num_batches_tracked``) are equal
+    on every rank (same number of forwards) and left as they are. No-op in a single process.
+    """
+    world = _world()[1]
+    if world == 1:
+        return
+    with torch.no_grad():
+        for buf in net.buffers():
+            if buf.is_floating_point():
+                dist.all_reduce(buf, op=dist.ReduceOp.SUM)
+                buf.div_(world)
 
 
 def all_ranks_equal(net: nn.Module) -> float:

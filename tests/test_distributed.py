@@ -12,8 +12,13 @@ its hinge is active; with K = 3 classes H <= log 3 = 1.10 nats < m = 1.2, so it 
 batch and the mean of the per-shard hinges equals the hinge of the global mean. Hence, without
 BatchNorm, DDP = one single-process step on the global batch.
 """
-import math
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import nbformat
 import numpy as np
 import pytest
 import torch
@@ -23,8 +28,13 @@ from mcd_helpers import ddp_demo
 from mcd_helpers.distributed import (DistEnv, ShardedBatches, TwoForwardModes, check_sync_bn, dist_env,
                                      gather_scores, local_batch_size, shard_bounds, unwrap, wrap_ddp)
 from mcd_helpers.engine import ShuffledBatches
+from mcd_helpers.losses import discrepancy_loss
 
-CASES = ["parity", "find-unused", "broadcast-buffers", "sync-bn-cpu", "step-a-bypass", "chosen", "engine"]
+ROOT = Path(__file__).resolve().parents[1]
+
+# find-unused-split last: its failing backward leaves DDP's reducer of that model mid-iteration.
+CASES = ["parity", "find-unused", "broadcast-buffers", "sync-bn-cpu", "step-a-bypass", "chosen", "buffers", "no-sync",
+         "engine", "find-unused-split"]
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +77,23 @@ def _max_param_diff(ddp_params: dict, ref: dict) -> float:
     return max(float((torch.tensor(ddp_params[n], dtype=torch.float64) - ref[n]).abs().max()) for n in names)
 
 
-def test_hinge_is_active_for_three_classes():
-    assert math.log(3) < 1.2  # the premise of the reference above
+def _hinge_mean_vs_global(num_classes: int) -> float:
+    """|mean over 2 shards of the discrepancy loss - the loss of the global batch| in the extreme case:
+    shard 0 with F1 uniform and F2 one-hot (the largest gap, log K), shard 1 with both uniform (gap 0)."""
+    uniform = torch.zeros(4, num_classes, dtype=torch.float64)
+    one_hot = 50.0 * F.one_hot(torch.arange(4) % num_classes, num_classes).double()
+    l1, l2 = torch.cat([uniform, uniform]), torch.cat([one_hot, uniform])
+    per_shard = [discrepancy_loss(l1[r * 4:(r + 1) * 4], l2[r * 4:(r + 1) * 4], 1.2) for r in range(2)]
+    return float((sum(per_shard) / 2 - discrepancy_loss(l1, l2, 1.2)).abs())
+
+
+def test_mean_of_shard_hinges_is_the_global_hinge_for_three_classes():
+    """The premise of the DDP = global-batch reference: with K = 3 the gap H(p1) - H(p2) <= log 3 < 1.2
+    on every shard, the hinge is linear there, so the mean over shards of the discrepancy loss equals
+    the loss of the global batch, even in the extreme case. With K = 10 (log 10 = 2.3 > 1.2) the hinge
+    clips shard 0 at 0 and they differ (0.6 against 1.2 - log(10)/2 = 0.049)."""
+    assert _hinge_mean_vs_global(3) < 1e-12
+    assert _hinge_mean_vs_global(10) == pytest.approx(0.6 - (1.2 - np.log(10) / 2), abs=1e-9)
 
 
 @pytest.mark.parametrize("strategy", ["separate", "concat"])
@@ -99,10 +124,20 @@ def test_sync_batchnorm_is_gpu_only(results):
         check_sync_bn("cpu")
 
 
-def test_find_unused_parameters_true_runs_in_this_torch(results):
-    """Measured: with both forwards using every parameter, True neither raises nor warns."""
+def test_find_unused_parameters_true_runs_but_warns_when_every_parameter_is_used(results):
+    """Measured: with both forwards using every parameter, True runs and keeps the replicas equal, but
+    DDP's C++ reducer prints a performance warning to stderr (not a Python warning)."""
     for rank in results["find-unused"]:
         assert rank.get("error") is None and rank["ok"] and rank["replicas"] == 0.0
+        assert any("did not find any unused parameters" in line for line in rank["stderr"]), rank["stderr"]
+
+
+def test_find_unused_parameters_true_fails_when_the_forwards_use_different_heads(results):
+    """Forward 1 through G + F1, forward 2 through G + F2, one backward: True raises, False runs."""
+    for rank in results["find-unused-split"]:
+        assert rank["False"]["error"] is None and rank["False"]["replicas"] == 0.0
+        assert rank["True"]["error"] == "RuntimeError"
+        assert "Expected to mark a variable ready only once" in rank["True"]["message"]
 
 
 def test_broadcast_buffers_true_runs_on_cpu(results):
@@ -123,9 +158,63 @@ def test_chosen_settings_run_and_keep_replicas_equal(results, strategy):
     for rank in results["chosen"]:
         r = rank[strategy]
         assert r["replicas"] == 0.0
-        assert r["running_mean_spread"] > 1e-4 and r["running_mean_spread_after_broadcast"] == 0.0
+        assert r["running_mean_spread"] > 1e-4 and r["running_mean_spread_after_average"] == 0.0
+        assert r["average_vs_mean_of_ranks"] < 1e-15  # the mean of the gathered per-rank statistics
+        # rank 0's copy drops rank 1's statistics: it sits half the spread away from the average
+        assert r["rank0_vs_average"] == pytest.approx(r["running_mean_spread"] / 2, rel=1e-9)
         # 3 iterations x (Step A: 1 forward + Step B: 2 separate forwards or 1 concat forward)
         assert r["num_batches_tracked"] == (9 if strategy == "separate" else 6)
+
+
+def test_averaged_batchnorm_statistics_against_the_global_batch(results):
+    """One train-mode forward per rank. By hand, from the first convolution's outputs h of each shard
+    (channels c): running_mean = 0.9 * 0 + 0.1 * mean(h), running_var = 0.9 * 1 + 0.1 * var_unbiased(h).
+    The average over ranks of running_mean is the global batch's exactly (equal shards); running_var's
+    average lacks the between-shard term of the law of total variance; rank 0's copy matches neither."""
+    xs, _, _ = ddp_demo.global_batches(2)
+    conv = ddp_demo.tiny_model("batch").G[0]
+    with torch.no_grad():
+        h = [conv(xs[r * 4:(r + 1) * 4]).transpose(0, 1).reshape(4, -1) for r in range(2)]  # (C, n) per shard
+    h_all = torch.cat(h, dim=1)
+    mean_of_ranks = 0.1 * torch.stack([x.mean(1) for x in h]).mean(0)
+    var_of_ranks = 0.9 + 0.1 * torch.stack([x.var(1) for x in h]).mean(0)
+    var_global = 0.9 + 0.1 * h_all.var(1)
+    r0 = results["buffers"][0]
+    for rank in results["buffers"]:
+        assert rank["average"] == r0["average"] and rank["rank0"] == r0["own"]  # the same on every rank
+    avg, glob = (torch.tensor(r0[k]["mean"], dtype=torch.float64) for k in ("average", "global"))
+    torch.testing.assert_close(avg, mean_of_ranks, rtol=0, atol=1e-15)
+    torch.testing.assert_close(glob, 0.1 * h_all.mean(1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(avg, glob, rtol=0, atol=1e-15)
+    torch.testing.assert_close(torch.tensor(r0["average"]["var"], dtype=torch.float64), var_of_ranks, rtol=0, atol=1e-12)
+    torch.testing.assert_close(torch.tensor(r0["global"]["var"], dtype=torch.float64), var_global, rtol=0, atol=1e-12)
+    assert (var_global - var_of_ranks).abs().max() > 1e-5  # the between-shard term
+    assert (torch.tensor(r0["rank0"]["mean"], dtype=torch.float64) - glob).abs().max() > 1e-4  # rank 0's: one shard only
+    assert r0["eval_logits_average_vs_global"] < r0["eval_logits_rank0_vs_global"]
+
+
+def test_no_sync_accumulates_locally_and_all_reduces_once(results):
+    """Gradient accumulation: no all-reduce in the no_sync() backward, one bucket all-reduced in the next,
+    and the step equals the single-process step on the two global micro-batches (float64)."""
+    ref = ddp_demo.no_sync_reference(2)
+    net = ddp_demo.tiny_model("none")  # the same reference, written out here
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    xs, ys, xu = ddp_demo.global_batches(2)
+    for k in range(2):
+        rows = slice(4 * k, 4 * k + 4)  # global micro-batch k = both ranks' micro-batch k
+        (l1s, l2s), (l1u, l2u) = net(xs[rows]), net(xu[rows])
+        gap = (_entropy(l1u) - _entropy(l2u)).mean()
+        loss = F.cross_entropy(l1s, ys[rows]) + F.cross_entropy(l2s, ys[rows]) + torch.clamp(1.2 - gap, min=0)
+        (loss / 2).backward()
+    opt.step()
+    for k, v in net.named_parameters():
+        torch.testing.assert_close(torch.tensor(ref[k], dtype=torch.float64), v.detach().reshape(-1), rtol=0, atol=1e-12)
+    plain = ddp_demo.tiny_model("none")
+    for rank in results["no-sync"]:
+        assert rank["allreduces_after_no_sync_backward"] == 0 and rank["allreduces_after_synced_backward"] >= 1
+        assert rank["vs_single_process"] < 1e-10 and rank["replicas"] == 0.0
+    assert max(float((torch.tensor(ref[k]) - v.detach().reshape(-1)).abs().max())
+               for k, v in plain.named_parameters()) > 1e-3  # the reference did move
 
 
 @pytest.mark.parametrize("strategy", ["separate", "concat"])
@@ -221,10 +310,63 @@ def repro_runs(tmp_path_factory):
     return {n: ddp_demo.launch_reproduction(root / f"nproc{n}", ddp_demo.QUICK_FLAGS, nprocs=n)[0] for n in (1, 2)}
 
 
-def test_reproduction_under_torchrun_matches_single_process_quality(repro_runs):
+def test_reproduction_under_torchrun_runs_and_detects(repro_runs):
+    """The pipeline under torchrun (2 ranks) against one process, on the tiny QUICK_FLAGS run.
+
+    Not a parity claim: 2,000 training images, 1 pre-training epoch, 15 fine-tuning steps (ID
+    accuracy 20-70%) amplify every difference (per-rank train-mode BatchNorm over B / W samples,
+    float rounding of another CPU). Exact parity is tested where it is exact (float64, no
+    BatchNorm: test_engine_finetune_under_ddp_equals_single_process). Here only what holds with a
+    margin: MCD is a working detector, far above MSP on the same pre-trained network. Measured with
+    --seed 0..4 on this project's 2-core machine, MCD AUROC (separate / concat): 1 process
+    98.34-100.00% / 99.99-100.00%, 2 ranks 96.60-100.00% / 100.00%; |1 process - 2 ranks| up to
+    1.74 points (seed 4); MSP 7.7-70.4% (pre-training reaches 18-45% ID accuracy). On another CPU
+    one run gave 95.03% on 2 ranks against 99.80% on 1. The bounds (MCD > 0.90 and > MSP + 0.10)
+    keep 5 points below the lowest MCD value seen and 19 points below the smallest MCD - MSP gap."""
     one, two = repro_runs[1], repro_runs[2]
-    assert [(r["method"], r["strategy"]) for r in one] == [(r["method"], r["strategy"]) for r in two]
+    assert [(r["method"], r["strategy"], r["ood_dataset"]) for r in one] == \
+        [(r["method"], r["strategy"], r["ood_dataset"]) for r in two]
     assert {r["world_size"] for r in two} == {2} and {r["world_size"] for r in one} == {1}
-    for a, b in zip(one, two):
-        if a["method"] == "mcd":  # both strategies under DDP reach the single-process quality
-            assert min(a["auroc"], b["auroc"]) > 0.95 and abs(a["auroc"] - b["auroc"]) < 0.02
+    for run in (one, two):
+        msp = next(r["auroc"] for r in run if r["method"] == "msp")
+        mcd = [r["auroc"] for r in run if r["method"] == "mcd"]
+        assert len(mcd) == 2 and all(a > max(0.90, msp + 0.10) for a in mcd), run
+
+
+def _script_reference() -> torch.Tensor:
+    """Notebook 06's script in one process, by hand: Step A on the global batch of 8, then Step B on
+    global micro-batches (rows 0-3, then 4-7), each loss halved, gradients summed; one SGD step each."""
+    net = ddp_demo.tiny_model("none")
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    xs, ys, xu = ddp_demo.global_batches(2)
+    feat = net.G(xs)
+    (F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys)).backward()
+    opt.step()
+    opt.zero_grad()
+    for rows in (slice(0, 4), slice(4, 8)):  # rank r's micro-batch k: rows r + 2j of the global micro-batch k
+        (l1s, l2s), (l1u, l2u) = net(xs[rows]), net(xu[rows])
+        gap = (_entropy(l1u) - _entropy(l2u)).mean()
+        loss = F.cross_entropy(l1s, ys[rows]) + F.cross_entropy(l2s, ys[rows]) + torch.clamp(1.2 - gap, min=0)
+        (loss / 2).backward()
+    opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+
+
+def test_notebook_torchrun_script_equals_the_single_process_step(tmp_path):
+    """The ~25-line script that notebook 06 writes with %%writefile, launched with torchrun on 2 ranks."""
+    nb = nbformat.read(ROOT / "notebooks" / "06_scaling_out_ddp.ipynb", as_version=4)
+    source = next(c.source for c in nb.cells if c.cell_type == "code" and c.source.startswith("%%writefile"))
+    script = tmp_path / "mcd_ddp_step.py"
+    script.write_text(source.split("\n", 1)[1])
+    assert len(script.read_text().splitlines()) <= 35
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    ranks = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert proc.returncode == 0 and sorted(r["rank"] for r in ranks) == [0, 1], proc.stderr[-2000:]
+    ref = _script_reference()
+    for r in ranks:
+        got = torch.tensor(r["params"], dtype=torch.float64)
+        assert got.shape == ref.shape and (got - ref).abs().max() < 1e-10
+    init = torch.cat([p.detach().reshape(-1) for p in ddp_demo.tiny_model("none").parameters()])
+    assert (ref - init).abs().max() > 1e-3  # the step did move the parameters
