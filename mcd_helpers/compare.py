@@ -65,7 +65,7 @@ class StrategyComparison(ForwardsComparison):
 class ComparisonTable:
     """Several :class:`StrategyComparison` results side by side, one row per label.
 
-    Columns: mode, dtype, batch sizes, |Δloss| (nats), max |Δgrad|, max |Δ| of the running
+    Columns: mode, dtype, batch sizes, |Δloss|, max |Δgrad|, max |Δ| of the running
     statistics, the ``num_batches_tracked`` increments (concat vs separate), verdict.
     Prints as text; shows as an HTML table in Jupyter.
     """

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import html
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -32,12 +33,22 @@ _TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, to
 
 
 def default_tolerance(dtype: torch.dtype) -> float:
-    """Largest |difference| still called "equal up to rounding" for ``dtype`` (absolute).
+    """Largest difference still called "equal up to rounding" for ``dtype``, relative to the
+    size of what is compared (``|Δ| <= tolerance * max(1, scale)``, see ``ForwardsComparison.same``).
 
     float64: 1e-10 (rounding is ~1e-16 per operation); float32: 1e-4 (rounding ~1e-7 per
-    operation, summed over reductions of thousands of terms); half types: 1e-2 / 1e-1.
+    operation, summed over reductions of thousands of terms); half types: 1e-2 / 1e-1 — too
+    coarse to tell a small coupling from rounding: compare in float64 for that.
     """
     return _TOLERANCE.get(dtype, 1e-4)
+
+
+def _max(values) -> float:
+    """max of floats, NaN when any is NaN (Python's ``max`` would skip a NaN that is not first)."""
+    values = list(values)
+    if any(math.isnan(v) for v in values):
+        return math.nan
+    return max(values, default=0.0)
 
 
 @dataclass
@@ -53,7 +64,9 @@ class ForwardsComparison:
             ``running_var``, ``num_batches_tracked``; empty for a model without buffers).
         grad_scale: max |grad| over all parameters (concat), to read ``max_grad_diff`` against.
         training: the model's mode during the comparison; dtype: its floating dtype.
-        batch_sizes: ``(N_1, ..., N_k)``; tolerance: the |Δ| still called equal (see ``same``).
+        batch_sizes: ``(N_1, ..., N_k)``; tolerance: the relative |Δ| still called equal (see ``same``).
+        no_grad_params: trainable parameters that got no gradient under either strategy (not
+            compared: e.g. unused, or cut off by a reentrant checkpoint).
         buffers_before, buffers_concat, buffers_separate: buffer name -> tensor (CPU copies),
             before the step and after each strategy's forwards.
     """
@@ -67,6 +80,7 @@ class ForwardsComparison:
     dtype: torch.dtype
     batch_sizes: tuple[int, ...]
     tolerance: float
+    no_grad_params: list[str] = field(default_factory=list)
     buffers_before: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     buffers_concat: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
     buffers_separate: dict[str, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -78,24 +92,25 @@ class ForwardsComparison:
 
     @property
     def max_buffer_diff(self) -> float:
-        """Max |Δ| over all buffers (0.0 when the model has none)."""
-        return max(self.buffer_diff.values(), default=0.0)
+        """Max |Δ| over all buffers (0.0 when the model has none; NaN when any difference is NaN)."""
+        return _max(self.buffer_diff.values())
 
     @property
     def max_running_stat_diff(self) -> float:
         """Max |Δ| over floating buffers only (running_mean, running_var), 0.0 when there are none."""
-        return max((d for name, d in self.buffer_diff.items() if self.buffers_before[name].is_floating_point()),
-                   default=0.0)
+        return _max(d for name, d in self.buffer_diff.items() if self.buffers_before[name].is_floating_point())
 
     @property
     def tracked_increments_by_layer(self) -> dict[str, tuple[int, int]]:
         """BatchNorm layer -> how much one step added to its ``num_batches_tracked``, ``(concat,
-        separate)``: what the buffers did, not what the model's code suggests."""
+        separate)``: what the buffers did, not what the model's code suggests (summed over the
+        sources of a :class:`~mcd_helpers.norms.PerSourceBatchNorm`)."""
         out = {}
         for name, before in self.buffers_before.items():
             if name.endswith("num_batches_tracked"):
                 layer = name[: -len(".num_batches_tracked")] or "(model)"
-                out[layer] = (int(self.buffers_concat[name] - before), int(self.buffers_separate[name] - before))
+                out[layer] = (int((self.buffers_concat[name] - before).sum()),
+                              int((self.buffers_separate[name] - before).sum()))
         return out
 
     @property
@@ -110,15 +125,26 @@ class ForwardsComparison:
 
     @property
     def same(self) -> bool:
-        """True when loss, every gradient and every buffer agree to within ``tolerance``."""
-        return max(self.loss_diff, self.max_grad_diff, self.max_buffer_diff) <= self.tolerance
+        """True when loss, every gradient and every buffer agree to within ``tolerance`` relative
+        to their size: ``|Δloss| <= tol * max(1, |loss|)``, ``max |Δgrad| <= tol * max(1, max |grad|)``,
+        ``max |Δbuffer| <= tol * max(1, max |buffer|)``. False when any difference is NaN."""
+        checks = ((self.loss_diff, max(abs(self.loss_concat), abs(self.loss_separate))),
+                  (self.max_grad_diff, self.grad_scale),
+                  (self.max_buffer_diff, self._buffer_scale()))
+        return all(d <= self.tolerance * max(1.0, scale) for d, scale in checks)  # NaN <= x is False
+
+    def _buffer_scale(self) -> float:
+        return max((float(b.double().abs().max()) for b in self.buffers_concat.values()
+                    if b.is_floating_point() and b.numel()), default=0.0)
 
     @property
     def verdict(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
         if self.same:
-            return f"same up to {dtype} rounding (all |Δ| <= {self.tolerance:g})"
-        return f"different (largest |Δ| above the {dtype} tolerance {self.tolerance:g})"
+            return f"same up to {dtype} rounding (all |Δ| <= {self.tolerance:g} relative)"
+        if any(math.isnan(d) for d in (self.loss_diff, self.max_grad_diff, self.max_buffer_diff)):
+            return "different (a difference is NaN: non-finite losses, gradients or buffers)"
+        return f"different (largest |Δ| above the {dtype} tolerance {self.tolerance:g} relative)"
 
     def top_params(self, k: int = 5) -> list[tuple[str, float]]:
         """The ``k`` parameters whose gradients differ most, largest first."""
@@ -136,7 +162,10 @@ class ForwardsComparison:
             rows += [(f"{layer} updates per step", f"+{c}", f"+{s}", "") for layer, (c, s) in per_layer.items()]
         elif per_layer:
             c, s = next(iter(per_layer.values()))
-            rows.append((f"running-stat updates per step ({len(per_layer)} BN layers)", f"+{c}", f"+{s}", ""))
+            layers = f"{len(per_layer)} BN layer" + ("s" if len(per_layer) > 1 else "")
+            rows.append((f"running-stat updates per step ({layers})", f"+{c}", f"+{s}", ""))
+        if self.no_grad_params:
+            rows.append((f"parameters without a gradient (not compared): {len(self.no_grad_params)}", "", "", ""))
         for name, d in self.buffer_diff.items():
             if not name.endswith("num_batches_tracked") and (d > 0 or len(self.buffer_diff) <= 2 * k):
                 rows.append((f"buffer {name}", "", "", f"{d:.3g}"))
@@ -206,7 +235,13 @@ def split_rows(output, sizes: Sequence[int]) -> list:
                              f"of {tuple(sizes)}: its first axis must be the total batch size {total}. "
                              "compare_forwards needs a model that returns one row per input sample.")
         return list(torch.split(output, list(sizes)))
-    if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
+    if isinstance(output, (tuple, list)):
+        if not output:
+            raise TypeError("the model returned an empty tuple; it must return a tensor or a tuple of tensors.")
+        for i, t in enumerate(output):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"element {i} of the model's output tuple is a {type(t).__name__}, not a tensor; "
+                                "the model must return a tensor or a flat tuple of tensors.")
         parts = [split_rows(t, sizes) for t in output]
         return [tuple(p[i] for p in parts) for i in range(len(sizes))]
     raise TypeError(f"the model's output must be a tensor or a tuple of tensors, got {type(output).__name__}.")
@@ -267,11 +302,20 @@ def run_both(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn: Callabl
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (list of per-batch outputs -> scalar), got {type(loss_fn).__name__}.")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype such as torch.float64, got {dtype!r}.")
+    lazy = [name for name, p in model.named_parameters() if nn.parameter.is_lazy(p)]
+    if lazy:
+        raise ValueError(f"the model has uninitialised lazy parameters ({', '.join(lazy[:3])}): run one forward "
+                         "first, or each copy would initialise its own weights.")
     model_dtype, device = model_dtype_device(model)
+    if not any(t.is_floating_point() for t in list(model.parameters()) + list(model.buffers())):
+        model_dtype = next((x.dtype for x in batches if x.is_floating_point()), model_dtype)
     dtype = dtype or model_dtype
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype such as torch.float64, got {dtype}.")
-    batches = [x.to(device, dtype) if x.is_floating_point() else x.to(device) for x in batches]
+    # detached copies: the caller's tensors (and any .grad of theirs) stay untouched
+    batches = [x.detach().to(device, dtype) if x.is_floating_point() else x.detach().to(device) for x in batches]
     buffers_before = buffers_of(model)
     results = {}
     devices = [device.index or 0] if device.type == "cuda" else []
@@ -283,7 +327,10 @@ def run_both(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn: Callabl
                 p.grad = None
             outputs = forward_outputs(m, batches, strategy)
             loss = _scalar(loss_fn(outputs), strategy)
-            if loss.requires_grad:
+            if any(p.requires_grad for p in m.parameters()):
+                if loss.grad_fn is None:
+                    raise ValueError("loss_fn returned a loss without a gradient path to the parameters (detached, "
+                                     "or computed under torch.no_grad): there are no gradients to compare.")
                 loss.backward()
             grads = {name: p.grad for name, p in m.named_parameters()}
             results[strategy] = (loss.item(), grads, buffers_of(m))
@@ -313,11 +360,13 @@ def compare_forwards(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn:
         a :class:`ForwardsComparison` (prints as a table; an HTML table in Jupyter).
 
     Raises:
-        TypeError: if ``batches`` is not a list/tuple of tensors, ``loss_fn`` is not callable, or
-            the model's output is neither a tensor nor a tuple of tensors.
+        TypeError: if ``batches`` is not a list/tuple of tensors, ``loss_fn`` is not callable,
+            ``dtype`` is not a ``torch.dtype``, or the model's output is neither a tensor nor a
+            flat tuple of tensors.
         ValueError: on no batches, an empty batch, batches of different trailing shapes or dtypes,
-            a ``loss_fn`` that returns more than one element, an output that cannot be split by
-            rows, or a non-floating ``dtype``.
+            a ``loss_fn`` that returns more than one element or a loss without a gradient path, an
+            output that cannot be split by rows, uninitialised lazy parameters, or a non-floating
+            ``dtype``.
     """
     batches = _check_batches(batches)
     results, dtype, buffers_before = run_both(model, batches, loss_fn, dtype, seed)
@@ -328,9 +377,11 @@ def _report(cls, results: dict, dtype: torch.dtype, buffers_before: dict, traini
             batch_sizes: tuple[int, ...], **extra):
     (loss_c, grads_c, bufs_c), (loss_s, grads_s, bufs_s) = results["concat"], results["separate"]
     grad_diff = {name: max_abs_diff(grads_c[name], grads_s[name]) for name in grads_c}
+    no_grad = [name for name in grads_c if grads_c[name] is None and grads_s[name] is None]
     buffer_diff = {name: max_abs_diff(bufs_c[name], bufs_s[name]) for name in bufs_c}
-    grad_scale = max((float(g.abs().max()) for g in grads_c.values() if g is not None and g.numel()), default=0.0)
-    return cls(loss_concat=loss_c, loss_separate=loss_s, max_grad_diff=max(grad_diff.values(), default=0.0),
+    grad_scale = _max(float(g.detach().abs().max()) for g in grads_c.values() if g is not None and g.numel())
+    return cls(loss_concat=loss_c, loss_separate=loss_s, max_grad_diff=_max(grad_diff.values()),
                grad_diff=grad_diff, buffer_diff=buffer_diff, grad_scale=grad_scale, training=training,
+               no_grad_params=no_grad,
                dtype=dtype, batch_sizes=batch_sizes, tolerance=default_tolerance(dtype),
                buffers_before=buffers_before, buffers_concat=bufs_c, buffers_separate=bufs_s, **extra)

@@ -8,9 +8,10 @@ statistics normalise each sample:
 * ``"separate"``: one forward per source (each BatchNorm batch holds one source);
 * ``"mixed"``: all sources shuffled together, then split into ``k`` forwards (each BatchNorm batch
   is a random mixture);
-* ``"interleave"``: MixMatch/FixMatch's :func:`interleave`, then ``k`` forwards of contiguous
-  chunks, as ``k`` data-parallel devices each normalising its own chunk, then
-  :func:`de_interleave` (each chunk holds the same share of every source);
+* ``"interleave"``: :func:`interleave`, then ``k`` forwards of contiguous chunks, then
+  :func:`de_interleave`: what MixMatch (YU1ut/MixMatch-pytorch) does on one device, and what
+  FixMatch's single forward becomes when ``k`` data-parallel devices each normalise a chunk (each
+  chunk holds an equal share of every source when the sizes divide evenly);
 * ``"chunks"``: the same ``k`` contiguous chunks without interleaving (each chunk holds one
   source when the sources have equal sizes: what data parallelism does to an un-interleaved batch).
 
@@ -38,9 +39,10 @@ NORMS = ("batch", "group", "layer", "frozen", "no_running_stats", "per_source", 
 def interleave(x: torch.Tensor, size: int) -> torch.Tensor:
     """FixMatch's interleave: row ``j * size + i`` goes to position ``i * (N / size) + j``.
 
-    With ``x = cat([x_1, ..., x_size])`` of ``size`` equal-length parts (N / size rows each), the
-    result's ``size`` contiguous chunks each hold ``1 / size`` of every part. (kekmodel/FixMatch-
-    pytorch ``train.py``; MixMatch's reference code interleaves to the same end.)
+    With ``x = cat([x_1, ..., x_size])`` of ``size`` equal-length parts of ``n`` rows, and ``n``
+    divisible by ``size``, the result's ``size`` contiguous chunks each hold ``n / size`` rows of
+    every part (otherwise the shares differ by one row between chunks). (kekmodel/FixMatch-pytorch
+    ``train.py``; YU1ut/MixMatch-pytorch interleaves before forwarding its chunks one by one.)
 
     Shapes:
         x: ``(N, ...)`` with ``N`` divisible by ``size`` -> ``(N, ...)``.

@@ -80,7 +80,15 @@ class PerSourceBatchNorm(nn.Module):
 
     @classmethod
     def from_batchnorm(cls, bn: nn.Module, num_sources: int = 2) -> "PerSourceBatchNorm":
-        """A copy of ``bn`` whose every source starts from ``bn``'s running statistics."""
+        """A copy of ``bn`` whose every source starts from ``bn``'s running statistics.
+
+        Raises:
+            ValueError: if ``bn`` has no affine parameters or does not track running statistics
+                (there would be nothing per source to keep).
+        """
+        if not bn.affine or not bn.track_running_stats:
+            raise ValueError(f"{bn} cannot get per-source statistics: it needs affine=True and "
+                             "track_running_stats=True (without running statistics there is nothing per source).")
         new = cls(bn.num_features, num_sources, bn.eps, bn.momentum).to(bn.weight.device, bn.weight.dtype)
         with torch.no_grad():
             new.weight.copy_(bn.weight)
@@ -94,13 +102,14 @@ class PerSourceBatchNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = self._source
         momentum = self.momentum
-        if self.training:
-            self.num_batches_tracked[s] += 1
-            if momentum is None:  # cumulative moving average, as nn.BatchNorm with momentum=None
-                momentum = 1.0 / float(self.num_batches_tracked[s])
+        if self.training and momentum is None:  # cumulative moving average, as nn.BatchNorm with momentum=None
+            momentum = 1.0 / float(self.num_batches_tracked[s] + 1)
         # F.batch_norm updates the running statistics it is given in place: pass this source's rows.
-        return F.batch_norm(x, self.running_mean[s], self.running_var[s], self.weight, self.bias,
-                            self.training, momentum or 0.0, self.eps)
+        out = F.batch_norm(x, self.running_mean[s], self.running_var[s], self.weight, self.bias,
+                           self.training, momentum or 0.0, self.eps)
+        if self.training:
+            self.num_batches_tracked[s] += 1  # counted once the forward has succeeded
+        return out
 
     def extra_repr(self) -> str:
         return f"{self.num_features}, num_sources={self.num_sources}, eps={self.eps}, momentum={self.momentum}"
@@ -152,8 +161,10 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
 
     The running statistics are reset and re-estimated as the equal-weight average over the
     batches of ``x`` (``momentum=None``, as ``torch.optim.swa_utils.update_bn`` does): the mean
-    of the batch means, and of the unbiased batch variances. Parameters are not changed; the
-    model's train/eval mode and each layer's momentum are restored. Source 0 of a
+    of the batch means, and of the unbiased batch variances. Parameters are not changed; every
+    module's train/eval mode and each layer's momentum are restored (frozen layers stay frozen,
+    and are recalibrated too); on an error the old statistics come back. As in ``update_bn``,
+    the forwards run in train mode, so dropout is active. Source 0 of a
     :class:`PerSourceBatchNorm` is the one recalibrated.
 
     Shapes:
@@ -166,27 +177,38 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     layers = [m for m in batchnorm_layers(model) if getattr(m, "running_mean", None) is not None]
     if not layers:
         raise ValueError("recalibrate_bn: the model has no BatchNorm layer with running statistics.")
-    if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) == 0:
-        raise ValueError("recalibrate_bn needs a non-empty batch tensor x (N, ...).")
-    if batch_size < 2:
-        raise ValueError(f"batch_size must be >= 2 (BatchNorm needs two samples for a variance), got {batch_size}.")
-    was_training, momenta = model.training, [m.momentum for m in layers]
-    for m in layers:
-        if isinstance(m, PerSourceBatchNorm):
-            m.running_mean[0].zero_(), m.running_var[0].fill_(1), m.num_batches_tracked[0].zero_()
-        else:
-            m.reset_running_stats()
-        m.momentum = None
-    model.train()
-    ctx = use_source(model, 0) if any(isinstance(m, PerSourceBatchNorm) for m in layers) else contextlib.nullcontext()
-    with ctx:
-        for start in range(0, len(x), batch_size):
-            chunk = x[start:start + batch_size]
-            if len(chunk) > 1:  # a last batch of one sample has no variance: skip it
-                model(chunk)
-    for m, momentum in zip(layers, momenta):
-        m.momentum = momentum
-    model.train(was_training)
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) < 2:
+        raise ValueError("recalibrate_bn needs a batch tensor x (N, ...) with N >= 2 samples "
+                         f"(got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}).")
+    if not isinstance(batch_size, int) or batch_size < 2:
+        raise ValueError(f"batch_size must be an integer >= 2 (BatchNorm needs two samples for a variance), "
+                         f"got {batch_size!r}.")
+    modes = {m: m.training for m in model.modules()}
+    momenta = [m.momentum for m in layers]
+    saved = [copy.deepcopy(m.state_dict()) for m in layers]
+    try:
+        for m in layers:
+            if isinstance(m, PerSourceBatchNorm):
+                m.running_mean[0].zero_(), m.running_var[0].fill_(1), m.num_batches_tracked[0].zero_()
+            else:
+                m.reset_running_stats()
+            m.momentum = None
+        model.train()
+        per_source = any(isinstance(m, PerSourceBatchNorm) for m in layers)
+        with use_source(model, 0) if per_source else contextlib.nullcontext():
+            for start in range(0, len(x), batch_size):
+                chunk = x[start:start + batch_size]
+                if len(chunk) > 1:  # a last batch of one sample has no variance: skip it
+                    model(chunk)
+    except BaseException:
+        for m, state in zip(layers, saved):
+            m.load_state_dict(state)
+        raise
+    finally:
+        for m, momentum in zip(layers, momenta):
+            m.momentum = momentum
+        for m, training in modes.items():
+            m.training = training
     return model
 
 

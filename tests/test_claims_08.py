@@ -46,6 +46,22 @@ def test_checkpointed_batchnorm_updates_twice_with_right_gradients_and_momentum_
         torch.testing.assert_close(m.bn.running_mean, 0.1 * mu, rtol=0, atol=1e-12)
 
 
+def test_checkpointed_batchnorm_with_cumulative_average_matches_no_checkpoint():
+    torch.manual_seed(0)
+    ref = Block("none").double()
+    ck = copy.deepcopy(ref)
+    ck.mode = "all"
+    for m in (ref, ck):
+        m.bn.momentum = None
+    for step in range(3):
+        xb = torch.randn(16, 8, dtype=torch.float64) + step
+        for m in (ref, ck):
+            m(xb).pow(2).mean().backward()
+    assert int(ck.bn.num_batches_tracked) == 6 and int(ref.bn.num_batches_tracked) == 3
+    torch.testing.assert_close(ck.bn.running_mean, ref.bn.running_mean, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ck.bn.running_var, ref.bn.running_var, rtol=0, atol=1e-12)
+
+
 def test_vmap_refuses_train_mode_batchnorm_until_tracking_is_off():
     model = TinyTwoHead("batch").double().train()
     x, y = torch.randn(4, 1, 6, 6, dtype=torch.float64), torch.tensor([0, 1, 2, 0])
@@ -62,7 +78,11 @@ def test_vmap_refuses_train_mode_batchnorm_until_tracking_is_off():
         per_sample(model)
     torch.func.replace_all_batch_norm_modules_(model)
     assert model.norm.running_mean is None
-    assert per_sample(model)["head_a.weight"].shape == (4, 3, 4)
+    g = per_sample(model)["head_a.weight"]
+    assert g.shape == (4, 3, 4)
+    model.zero_grad()
+    F.cross_entropy(model(x[:1])[0], y[:1]).backward()  # sample 0 normalised by its own statistics
+    torch.testing.assert_close(g[0], model.head_a.weight.grad, rtol=0, atol=1e-12)
     # per-sample gradients of a model without coupling equal one backward per sample
     plain = TinyTwoHead("group").double()
     grads = per_sample(plain)["head_a.weight"]

@@ -144,3 +144,75 @@ def test_non_scalar_loss_and_unsplittable_model_are_refused():
         compare_forwards(PoolsOverBatch().double(), batches(2, 3), lambda outs: sum(o.sum() for o in outs))
     with pytest.raises(TypeError, match="callable"):
         compare_forwards(mlp(), batches(2, 2), "mean")
+
+
+def test_nan_gradients_are_never_called_same():
+    class SqrtHead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 3), nn.Linear(5, 3)
+            with torch.no_grad():
+                self.b.weight.zero_(), self.b.bias.zero_()
+
+        def forward(self, x):
+            return torch.cat([self.a(x), self.b(x).sqrt()], 1)  # d sqrt(0) = inf -> NaN differences
+
+    c = compare_forwards(SqrtHead().double(), batches(3, 4), lambda outs: sum(o.sum() for o in outs))
+    assert c.max_grad_diff != c.max_grad_diff  # NaN propagates through the maximum
+    assert not c.same and "NaN" in c.verdict
+
+
+def test_tolerance_is_relative_to_the_size_of_the_gradients():
+    torch.manual_seed(0)
+    model = mlp("none").float()
+    xs = [x.float() * 100 for x in batches(64, 48)]  # large activations: float32 rounding ~1e-4 absolute
+    c = compare_forwards(model, xs, lambda outs: sum(o.pow(2).sum() for o in outs))
+    assert c.grad_scale > 10 and c.same
+    coupled = compare_forwards(mlp("batch").train(), batches(4, 4), weighted_loss)
+    assert not coupled.same  # the relative bar still separates real coupling in float64
+
+
+def test_detached_loss_and_lazy_modules_are_refused_and_inputs_untouched():
+    with pytest.raises(ValueError, match="without a gradient path"):
+        compare_forwards(mlp(), batches(2, 2), lambda outs: weighted_loss(outs).detach())
+    with pytest.raises(ValueError, match="lazy"):
+        compare_forwards(nn.Sequential(nn.LazyLinear(3)).double(), batches(2, 2), weighted_loss)
+    with pytest.raises(TypeError, match="torch.dtype"):
+        compare_forwards(mlp(), batches(2, 2), weighted_loss, dtype="float64")
+    xs = [x.requires_grad_() for x in batches(2, 3)]
+    compare_forwards(mlp(), xs, weighted_loss)
+    assert all(x.grad is None for x in xs)
+
+
+def test_parameters_without_gradients_are_listed_not_compared():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used, self.unused = nn.Linear(5, 2), nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.used(x)
+
+    c = compare_forwards(Unused().double(), batches(2, 3), weighted_loss)
+    assert c.no_grad_params == ["unused.weight", "unused.bias"] and "without a gradient" in str(c)
+
+
+def test_nested_outputs_name_the_bad_element():
+    class Nested(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(5, 2)
+
+        def forward(self, x):
+            return self.lin(x), (self.lin(x),)
+
+    with pytest.raises(TypeError, match="element 1"):
+        compare_forwards(Nested().double(), batches(2, 2), weighted_loss)
+
+
+def test_per_source_model_counts_updates_over_its_sources():
+    from mcd_helpers.norms import per_source_batchnorm
+    model = per_source_batchnorm(mlp("batch")).train()
+    c = compare_forwards(model, batches(4, 4, 4), weighted_loss)
+    assert c.tracked_increments == (1, 3) and not c.same
+    assert "+3" in str(c)

@@ -92,3 +92,32 @@ def test_frozen_batchnorm_decouples_samples_and_still_learns_affine():
     assert model[1].weight.grad is not None and model[1].weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="no BatchNorm"):
         freeze_bn(nn.Linear(2, 2))
+
+
+def test_recalibrate_restores_everything_on_error_and_keeps_frozen_layers_frozen():
+    model = net().train()
+    model(data(16, 2.0))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError):
+        recalibrate_bn(model, torch.randn(10, 3, dtype=torch.float64))  # wrong feature count
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert model.training and model[1].momentum == 0.1
+    with pytest.raises(ValueError, match="N >= 2"):
+        recalibrate_bn(model, data(1))
+    with pytest.raises(ValueError, match="integer"):
+        recalibrate_bn(model, data(8), batch_size=2.5)
+    frozen = freeze_bn(net().train())
+    recalibrate_bn(frozen, data(20, 1.0), batch_size=10)
+    assert frozen.training and not frozen[1].training  # still frozen
+    assert int(frozen[1].num_batches_tracked) == 2
+
+
+def test_per_source_refuses_layers_without_statistics_and_counts_only_successful_forwards():
+    with pytest.raises(ValueError, match="affine=True"):
+        PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, affine=False))
+    with pytest.raises(ValueError, match="track_running_stats"):
+        PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False))
+    bn = PerSourceBatchNorm(3).train()
+    with pytest.raises(ValueError):
+        bn(torch.randn(1, 3))  # one sample: no variance, refused by PyTorch
+    assert bn.num_batches_tracked.tolist() == [0, 0]
