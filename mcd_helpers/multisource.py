@@ -20,6 +20,7 @@ with any layout and any normalisation, and measures accuracy in train and eval m
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
@@ -176,6 +177,15 @@ def _accuracy(logits: torch.Tensor, y: torch.Tensor) -> float:
     return float((logits.argmax(1) == y).float().mean())
 
 
+def _accuracies(model: nn.Module, test: list, per_source: bool) -> list[float]:
+    """Accuracy on each source's test set, each in one batch (with its own statistics if per-source)."""
+    out = []
+    for i, (x, y) in enumerate(test):
+        with use_source(model, i) if per_source else contextlib.nullcontext():
+            out.append(_accuracy(model(x), y))
+    return out
+
+
 def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 200, batch: int = 32,
                   num_sources: int = 2, shift: float = 3.0, lr: float = 0.05, seed: int = 0) -> SourcesResult:
     """Train :func:`source_net` on :func:`make_domains` with one batch per source per step.
@@ -215,22 +225,9 @@ def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 20
     if norm == "recalibrate":
         recalibrate_bn(model, train[0][0], batch_size=batch)
     with torch.no_grad():
-        model.eval()
-        eval_acc = []
-        for i, (x, y) in enumerate(test):
-            if norm == "per_source":
-                with use_source(model, i):
-                    eval_acc.append(_accuracy(model(x), y))
-            else:
-                eval_acc.append(_accuracy(model(x), y))
+        eval_acc = _accuracies(model.eval(), test, norm == "per_source")
         probe = copy.deepcopy(model).train()  # train-mode statistics of a pure batch of each source
         if norm == "frozen":
             freeze_bn(probe)
-        train_acc = []
-        for i, (x, y) in enumerate(test):
-            if norm == "per_source":
-                with use_source(probe, i):
-                    train_acc.append(_accuracy(probe(x), y))
-            else:
-                train_acc.append(_accuracy(probe(x), y))
+        train_acc = _accuracies(probe, test, norm == "per_source")
     return SourcesResult(layout, norm, eval_acc, train_acc, losses)
