@@ -47,6 +47,74 @@ def test_one_epoch_is_exactly_finetune():
         torch.testing.assert_close(b.state_dict()[k], v, rtol=0, atol=0)
 
 
+def test_one_iteration_written_out_equals_finetune():
+    """Notebook 04's ~20 lines (Step A with F2 on detached features, then Step B with two forwards,
+    each with its own zero_grad/backward/step on one SGD optimizer), on finetune's first batches
+    (labeled stream seed + 1, unlabeled stream seed + 2), float64: the same weights and buffers."""
+    import torch.nn.functional as F
+
+    from mcd_helpers.engine import ShuffledBatches
+    from mcd_helpers.losses import entropy
+
+    model, x_sup, y_sup, split, cfg = _tiny()
+    model = model.double()
+    x_sup = x_sup.double()
+    split = dataclasses.replace(split, **{k: v.double() for k, v in vars(split).items() if v.is_floating_point()})
+    cfg = dataclasses.replace(cfg, steps_per_epoch=1, finetune_epochs=1)
+    net = copy.deepcopy(model).train()
+    x_unl = split.unlabeled().tensors[0]
+    i_sup = ShuffledBatches(len(x_sup), cfg.batch_size_sup, cfg.seed, stream=1, drained=False).batch(0, 0)
+    i_unl = ShuffledBatches(len(x_unl), cfg.batch_size_unsup, cfg.seed, stream=2).batch(0, 0)
+    xs, ys, xu = x_sup[i_sup], y_sup[i_sup], x_unl[i_unl]
+    opt = torch.optim.SGD(net.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum,
+                          weight_decay=cfg.finetune_weight_decay)
+    feat = net.features(xs)
+    loss_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys)
+    opt.zero_grad()
+    loss_a.backward()
+    opt.step()
+    (l1s, l2s), (l1u, l2u) = net(xs), net(xu)
+    gap = (entropy(l1u) - entropy(l2u)).mean()
+    loss_b = F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys) + torch.clamp(cfg.margin - gap, min=0)
+    opt.zero_grad()
+    loss_b.backward()
+    opt.step()
+    pkg = copy.deepcopy(model)
+    finetune(pkg, x_sup, y_sup, split, cfg, "separate", progress=False)
+    for (k, a), b in zip(net.state_dict().items(), pkg.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=k)
+    assert max((a - b).abs().max().item() for a, b in zip(net.parameters(), model.parameters())) > 1e-4
+    # a wrong detail is caught: F2 on features that are *not* detached in Step A gives other weights
+    wrong = copy.deepcopy(model).train()
+    opt = torch.optim.SGD(wrong.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum,
+                          weight_decay=cfg.finetune_weight_decay)
+    feat = wrong.features(xs)
+    (F.cross_entropy(wrong.F1(feat), ys) + F.cross_entropy(wrong.F2(feat), ys)).backward()
+    opt.step()
+    assert max((a - b).abs().max().item() for a, b in zip(wrong.G.parameters(), pkg.G.parameters())) > 1e-6
+
+
+def test_which_metrics_depend_on_the_positive_class():
+    """AUROC is the same with ID or OOD positive; FPR95 is not (OpenOOD / pytorch-ood make OOD positive);
+    AUPR-In with ID positive is AUPR-Out with the roles swapped. Checked against scikit-learn and by hand."""
+    from sklearn.metrics import average_precision_score, roc_auc_score
+
+    s_id = np.array([0.1, 0.2, 0.3, 0.35, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9] * 2)  # 20 ID scores
+    s_ood = np.array([0.25, 0.45, 0.55, 0.65, 0.75, 0.85, 0.95, 1.0, 1.1, 1.2])  # 10 OOD scores
+    m = ood_metrics(s_id, s_ood)
+    s, is_ood = np.r_[s_id, s_ood], np.r_[np.zeros(20), np.ones(10)]
+    assert m["auroc"] == pytest.approx(roc_auc_score(is_ood, s), abs=1e-12)
+    assert m["auroc"] == pytest.approx(roc_auc_score(1 - is_ood, -s), abs=1e-12)
+    # ID positive: accept 95% of ID (19 of 20: score <= 0.9 covers all 20, <= 0.8 only 18) -> t = 0.9;
+    # OOD accepted at t = 0.9: 0.25, 0.45, 0.55, 0.65, 0.75, 0.85 -> 6 of 10
+    assert m["fpr95"] == pytest.approx(0.6)
+    # OOD positive: flag 95% of OOD (10 of 10 needs score >= 0.25) -> ID flagged: 0.3 ... 0.9 x 2 = 16 of 20
+    ood_positive_fpr95 = np.mean(s_id >= 0.25)
+    assert ood_positive_fpr95 == pytest.approx(0.8) and abs(m["fpr95"] - ood_positive_fpr95) > 0.1
+    assert m["aupr_in"] == pytest.approx(average_precision_score(1 - is_ood, -s))
+    assert m["aupr_out"] == pytest.approx(average_precision_score(is_ood, s)) and m["aupr_in"] != m["aupr_out"]
+
+
 def _val_auroc(model, split):
     s_id = discrepancy_score(*predict_logits(model, split.val_id_x))
     s_ood = discrepancy_score(*predict_logits(model, split.val_ood_x))
@@ -164,6 +232,8 @@ def test_notebook_claims_at_quick_settings():
     comps = {}
     for ood in ("photo_crops", "digits"):
         comps[ood] = ex.compare_methods(base, x, y, ex.ood_split(cfg, ood, xt, yt), cfg, ood, "separate")
+        if ood == "photo_crops":
+            walk_split = ex.ood_split(cfg, ood, xt, yt)
         rows = {r["method"]: r for r in comps[ood].rows}
         # 04, section 4: MCD beats MSP, ODIN and energy on AUROC
         assert all(rows["mcd"]["auroc"] > rows[m]["auroc"] for m in ("msp", "odin", "energy")), (ood, rows)
@@ -177,6 +247,23 @@ def test_notebook_claims_at_quick_settings():
     (b_id, b_ood), (a_id, a_ood) = walk.scores["mcd_before"], walk.scores["mcd"]
     assert max(b_id.median(), b_ood.median()) < 0.2
     assert a_ood.median() > 1.0 > a_id.median() and a_ood.median() > 3 * b_ood.median()
+    # 04, section 2: on the ID test images the labeled CE moves by < 0.1 nats, F1's accuracy by < 2
+    # points, and the heads still agree on > 90% of them
+    import torch.nn.functional as F
+    y_id = walk_split.test_id_y
+    (b1, b2), (t1, t2) = predict_logits(base, walk_split.test_id_x), predict_logits(walk.model, walk_split.test_id_x)
+    ce = [F.cross_entropy(a, y_id).item() + F.cross_entropy(b, y_id).item() for a, b in ((b1, b2), (t1, t2))]
+    assert abs(ce[1] - ce[0]) < 0.1 and abs(mean(h.ce[-k:]) - mean(h.ce[:k])) < 0.1
+    assert abs((t1.argmax(1) == y_id).float().mean() - (b1.argmax(1) == y_id).float().mean()) < 0.02
+    assert (t1.argmax(1) == t2.argmax(1)).float().mean() > 0.9
+    # 04, section 4: on Gaussian noise the baselines accept > 50% of the OOD images at 95% TPR (MSP's
+    # worst FPR95 of the four sets), MCD < 5%
+    noise = ex.compare_methods(base, x, y, ex.ood_split(cfg, "gaussian", xt, yt), cfg, "gaussian", "separate")
+    f = {r["method"]: r["fpr95"] for r in noise.rows}
+    assert all(f[m] > 0.5 for m in ("msp", "odin", "energy")) and f["mcd"] < 0.05, f
+    msp_fpr95 = {o: ood_metrics(*(msp_score(predict_logits(base, t)[0]) for t in (sp.test_id_x, sp.test_ood_x)))["fpr95"]
+                 for o, sp in ((o, ex.ood_split(cfg, o, xt, yt)) for o in cfg.ood_sets)}
+    assert max(msp_fpr95, key=msp_fpr95.get) == "gaussian" and msp_fpr95["gaussian"] == pytest.approx(f["msp"]), msp_fpr95
     # 05, section 3: MCD better than ODIN on photo_crops (the paper's crop sets' analog) on every metric
     rows = {r["method"]: r for r in walk.rows}
     assert rows["mcd"]["auroc"] > rows["odin"]["auroc"]
