@@ -1,10 +1,15 @@
 """The paper's reported numbers, and our results beside them with the gap per metric.
 
-Reported rows: Yu & Aizawa, "Unsupervised Out-of-Distribution Detection by Maximum Classifier
-Discrepancy", ICCV 2019 (arXiv 1908.04951), the table for DenseNet-BC with CIFAR-10 as the ID
-set (columns ODIN / ELOC / MCD), as collected in the project's reference notes
-(``shared/reference/MCD.md``, Sec. 3); plus the unofficial reproduction's AUROC on TINr
-(99.83 +- 0.03 over 3 fine-tuning runs). Rows for CIFAR-100 and WRN-28-10 were not available.
+Sources (every number here is copied from one of them):
+
+* **The paper**: Qing Yu and Kiyoharu Aizawa, "Unsupervised Out-of-Distribution Detection by Maximum
+  Classifier Discrepancy", ICCV 2019 (arXiv 1908.04951): its results table for DenseNet-BC
+  (L = 100, k = 12) with CIFAR-10 as the ID set, columns ODIN / ELOC / MCD, metrics FPR at 95% TPR,
+  detection error and AUROC (:data:`PAPER_ROWS`). Rows for CIFAR-100 and WRN-28-10 are not
+  transcribed here.
+* **The unofficial reproduction** (github.com/Mephisto405/Unsupervised-Out-of-Distribution-Detection-
+  by-Maximum-Classifier-Discrepancy): AUROC 99.83 +- 0.03 % over 3 fine-tuning runs on TINr
+  (:data:`UNOFFICIAL_ROWS`), as it reports it in a figure of its README (not checked against text).
 
 All numbers here are in **%** (the paper's unit); our result rows hold fractions and are
 multiplied by 100 when put beside the paper. The gap is ``ours - paper`` in percentage points:
@@ -16,10 +21,15 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["PAPER_METRICS", "PAPER_OOD_SETS", "PAPER_ROWS", "UNOFFICIAL_ROWS", "CIFAR_OOD_NAMES",
+__all__ = ["PAPER_SOURCE", "UNOFFICIAL_SOURCE", "PAPER_METRICS", "PAPER_OOD_SETS", "PAPER_ROWS", "UNOFFICIAL_ROWS",
+           "CIFAR_OOD_NAMES",
            "FMNIST_ANALOGS", "paper_rows", "beside_paper", "beside_paper_markdown", "plot_beside_paper",
            "markdown_table"]
 
+PAPER_SOURCE = ("Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, "
+                "CIFAR-10 as ID")
+UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupervised-Out-of-Distribution-"
+                     "Detection-by-Maximum-Classifier-Discrepancy (a figure of its README)")
 PAPER_METRICS = ("fpr95", "detection_error", "auroc")
 PAPER_OOD_SETS = ("TINc", "TINr", "LSUNc", "LSUNr", "iSUN")
 _LABELS = {"fpr95": "FPR95", "detection_error": "det. error", "auroc": "AUROC"}
@@ -148,7 +158,7 @@ def beside_paper_markdown(comparison: Sequence[dict], ours_label: str = "ours", 
                         + [_fmt(c["ours"]) if c else "–" for c in mine]
                         + [_fmt(c["gap"], signed=True) if c else "–" for c in mine])
     note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; "
-            "FPR95 and detection error: lower is better). Paper: DenseNet-BC, CIFAR-10 as ID.")
+            "FPR95 and detection error: lower is better). Paper: " + PAPER_SOURCE + ".")
     if dropped:
         note += (f" Not shown: the paper's rows for {', '.join(dict.fromkeys(dropped))}, which have no "
                  f"counterpart in our run.")

@@ -91,6 +91,7 @@ def test_beside_paper_rejects_duplicates_and_unknown_methods():
 def test_markdown_and_plot():
     comparison = beside_paper([_ours("LSUN", "mcd", 0.97, strategy="separate")])
     md = beside_paper_markdown(comparison)
+    assert md.rstrip().endswith("Paper: " + paper.PAPER_SOURCE + ".") and "arXiv 1908.04951" in md
     data = [l for l in md.splitlines() if l.startswith("| ") and not l.startswith(("| OOD", "| ---"))]
     assert len(data) == 15  # 5 OOD sets x 3 metrics
     lsunc = next(l for l in data if l.startswith("| LSUNc") and "AUROC" in l)
@@ -138,9 +139,52 @@ def test_markdown_paired_only_drops_rows_without_ours():
 # Presets: the paper's protocol, the blog's schedule, quick unchanged
 # ----------------------------------------------------------------------------------------------
 
-def test_quick_preset_unchanged():
-    assert PRESETS["quick"] == MCDConfig(pretrain_epochs=4, pretrain_milestones=(3,), steps_per_epoch=150,
-                                         finetune_lr=0.003)
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_every_preset_is_consistent(name):
+    """Each preset: the fields describe_preset lists are exactly those that differ from MCDConfig()
+    (computed here field by field, ``extra`` aside), the learning rate decays inside pre-training (every milestone
+    before the last epoch, increasing), and a split leaves test images after the validation ones."""
+    import dataclasses
+
+    cfg, default = PRESETS[name], MCDConfig()
+    differ = {f.name for f in dataclasses.fields(MCDConfig) if getattr(cfg, f.name) != getattr(default, f.name)}
+    assert set(describe_preset(name)) == differ - {"extra"}  # describe_preset leaves the free-form extras out
+    m = list(cfg.pretrain_milestones)
+    assert m == sorted(set(m)) and all(0 < e < cfg.pretrain_epochs for e in m), (name, m, cfg.pretrain_epochs)
+    assert cfg.finetune_lr > 0 and cfg.margin > 0 and cfg.finetune_epochs >= 1
+    if cfg.test_subset > 0:
+        assert cfg.n_val < cfg.test_subset
+    if cfg.ood_size > 0:
+        assert cfg.n_val < cfg.ood_size
+
+
+def test_running_statistics_blend_the_two_streams():
+    """Notebook 05, section 4: separate forwards keep the streams apart in train-mode batch statistics
+    only. The running mean, an exponential moving average with momentum 0.1 updated by every forward,
+    settles (after each step's last forward) at (0.09 mu_sup + 0.1 mu_unsup) / 0.19 with one labeled
+    and one unlabeled forward per step, at (0.171 mu_sup + 0.1 mu_unsup) / 0.271 with the official
+    Step A's extra labeled forward; the running variance at the same blend of the unbiased within-batch
+    variances (no between-batch term). By hand: the fixed point of m = 0.9^n m + sum_j 0.1 * 0.9^(n-1-j) mu_j."""
+    import torch
+
+    x_sup, x_unsup = torch.tensor([[0.0], [2.0]]), torch.tensor([[10.0], [14.0]])  # means 1, 12; variances 2, 8
+    steady = []
+    for forwards in ((x_sup, x_unsup), (x_sup, x_sup, x_unsup)):
+        n = len(forwards)
+        w = [0.1 * 0.9 ** (n - 1 - j) for j in range(n)]  # weight of forward j in one step's update
+        expected_mean = sum(wj * x.mean().item() for wj, x in zip(w, forwards)) / (1 - 0.9 ** n)
+        expected_var = sum(wj * x.var().item() for wj, x in zip(w, forwards)) / (1 - 0.9 ** n)
+        bn = torch.nn.BatchNorm1d(1)
+        for _ in range(400):
+            for x in forwards:
+                bn(x)
+        assert bn.running_mean.item() == pytest.approx(expected_mean, abs=1e-5)
+        assert bn.running_var.item() == pytest.approx(expected_var, abs=1e-5)
+        steady.append(bn.running_mean.item())
+    assert steady == pytest.approx([(0.09 * 1 + 0.1 * 12) / 0.19, (0.171 * 1 + 0.1 * 12) / 0.271], abs=1e-5)
+    # a concatenated forward of both batches sees the between-batch term (law of total variance)
+    within, between = (2 - 1) * 2 + (2 - 1) * 8, 2 * (1 - 6.5) ** 2 + 2 * (12 - 6.5) ** 2
+    assert torch.cat([x_sup, x_unsup]).var().item() == pytest.approx((within + between) / 3)
 
 
 @pytest.mark.parametrize("name", ["paper-cifar10-densenet", "paper-cifar10-wrn", "paper-cifar100-densenet",
