@@ -17,6 +17,8 @@ Cases (each a function below, run on every rank; results are JSON-able dicts, on
   ``False`` runs.
 * ``broadcast-buffers``: ``forward_sync_buffers=True`` (the old ``broadcast_buffers=True``,
   DDP's default), train-mode BatchNorm, two forwards.
+* ``init-sync``: BatchNorm buffers that differ per rank, wrapped with ``broadcast_buffers=False``
+  (deprecated) or ``forward_sync_buffers=False``: which one syncs them at construction.
 * ``sync-bn-cpu``: SyncBatchNorm in training on the CPU.
 * ``step-a-bypass``: Step A called on the inner module (``net.features``/``net.F1``), not
   through DDP's ``forward``.
@@ -187,6 +189,23 @@ def case_broadcast_buffers(rank: int, world: int) -> dict:
     ddp = DDP(TwoForwardModes(net), find_unused_parameters=False, forward_sync_buffers=True)
     _separate_steps(ddp, 2)
     return {"ok": True, "replicas": all_ranks_equal(net)}
+
+
+def case_init_sync(rank: int, world: int) -> dict:
+    """Each rank's BatchNorm running_mean set to its rank, then wrapped: the running_mean right after
+    construction with ``broadcast_buffers=False`` and with ``forward_sync_buffers=False``, and the
+    deprecation warnings the first one emits."""
+    out = {}
+    for flag in ("broadcast_buffers", "forward_sync_buffers"):
+        net = tiny_model("batch")
+        with torch.no_grad():
+            net.G[1].running_mean.fill_(float(rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDP(TwoForwardModes(net), find_unused_parameters=False, **{flag: False})
+        out[flag] = {"running_mean": net.G[1].running_mean.tolist(),
+                     "future_warnings": [str(w.message)[:120] for w in caught if issubclass(w.category, FutureWarning)]}
+    return out
 
 
 def case_sync_bn_cpu(rank: int, world: int) -> dict:
@@ -396,7 +415,7 @@ def code_tag(*parts: str) -> str:
 
 CASES = {"parity": case_parity, "find-unused": case_find_unused, "broadcast-buffers": case_broadcast_buffers,
          "sync-bn-cpu": case_sync_bn_cpu, "step-a-bypass": case_step_a_bypass, "chosen": case_chosen,
-         "buffers": case_buffers, "no-sync": case_no_sync, "engine": case_engine,
+         "buffers": case_buffers, "no-sync": case_no_sync, "init-sync": case_init_sync, "engine": case_engine,
          "find-unused-split": case_find_unused_split}
 
 

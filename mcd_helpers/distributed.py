@@ -63,7 +63,9 @@ Train-mode BatchNorm breaks the equivalence: each rank normalises with its own s
   ``forward``; a backward through graphs built by calling the inner module (``model.features``,
   ``model.F1``) skips the all-reduce, and the ranks drift apart silently (case ``step-a-bypass``).
   Step A needs G's features once for F1 and detached for F2, so the wrapped module is
-  :class:`TwoForwardModes`, whose ``forward(x, detach_f2=True)`` is Step A's forward.
+  :class:`TwoForwardModes`, whose ``forward(x, detach_f2=True)`` is Step A's forward. (The risk is
+  this package's own: the official ``solver.py`` keeps G, F1 and F2 as three modules with three
+  optimizers, each of which would be wrapped on its own; here one ``TwoHeadNet`` is wrapped once.)
 
 Data: the global batch under DDP *is* the single-process batch. Every rank computes the
 single-process run's seeded permutation of each pass (:class:`~mcd_helpers.engine.ShuffledBatches`;

@@ -33,8 +33,8 @@ from mcd_helpers.losses import discrepancy_loss
 ROOT = Path(__file__).resolve().parents[1]
 
 # find-unused-split last: its failing backward leaves DDP's reducer of that model mid-iteration.
-CASES = ["parity", "find-unused", "broadcast-buffers", "sync-bn-cpu", "step-a-bypass", "chosen", "buffers", "no-sync",
-         "engine", "find-unused-split"]
+CASES = ["parity", "find-unused", "broadcast-buffers", "init-sync", "sync-bn-cpu", "step-a-bypass", "chosen", "buffers",
+         "no-sync", "engine", "find-unused-split"]
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +144,36 @@ def test_broadcast_buffers_true_runs_on_cpu(results):
     """Measured: CPU batch norm does not save running buffers for backward, so no in-place error."""
     for rank in results["broadcast-buffers"]:
         assert rank.get("error") is None and rank["ok"] and rank["replicas"] == 0.0
+
+
+def test_buffer_sync_facts_of_this_torch(results):
+    """torch 2.14.1: DDP's per-forward buffer sync runs inside _unsafe_preserve_version_counter (why
+    forward_sync_buffers=True no longer raises with two forwards); broadcast_buffers is deprecated
+    (FutureWarning) and, unlike forward_sync_buffers=False, also skips the buffer sync at construction."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    assert "_unsafe_preserve_version_counter" in inspect.getsource(DistributedDataParallel._sync_buffers)
+    for rank, r in enumerate(results["init-sync"]):
+        assert r["broadcast_buffers"]["running_mean"] == [float(rank)] * 4  # kept its own
+        assert r["forward_sync_buffers"]["running_mean"] == [0.0] * 4  # rank 0's, synced at construction
+        assert any("deprecated" in w for w in r["broadcast_buffers"]["future_warnings"])
+        assert r["forward_sync_buffers"]["future_warnings"] == []
+
+
+def test_the_gradient_hook_fires_once_per_backward_through_two_forwards():
+    """Why two forwards work under DDP: the engine sums both forwards' contributions to a parameter
+    before its AccumulateGrad node runs, so a post-accumulate hook (like DDP's) fires once, with the sum."""
+    net = ddp_demo.tiny_model("none")
+    xs, ys, xu = ddp_demo.global_batches(1)
+    fired = []
+    net.F1.weight.register_post_accumulate_grad_hook(lambda p: fired.append(p.grad.clone()))
+    (F.cross_entropy(net(xs)[0], ys) + net(xu)[0].logsumexp(1).mean()).backward()
+    g1 = torch.autograd.grad(F.cross_entropy(net(xs)[0], ys), net.F1.weight)[0]
+    g2 = torch.autograd.grad(net(xu)[0].logsumexp(1).mean(), net.F1.weight)[0]
+    assert len(fired) == 1 and torch.allclose(fired[0], g1 + g2, rtol=0, atol=1e-12)
+    assert (g1 - g2).abs().max() > 1e-3  # two different contributions, not one counted twice
 
 
 def test_step_a_on_the_inner_module_desynchronises_the_ranks(results):
