@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import json
 import os
+import pickle
 import shutil
 import time
 from pathlib import Path
@@ -212,12 +213,18 @@ def _on_rank0_first(fn):
             result = fn()
         except Exception as e:  # noqa: BLE001  (sent to the other ranks, raised everywhere)
             err = e
-    box = [None if err is None else (type(err).__name__, str(err))]
+    sent = err
+    if err is not None:
+        try:
+            pickle.dumps(err)
+        except Exception:  # noqa: BLE001  (an exception that does not pickle: send its text)
+            sent = RuntimeError(f"rank 0 stopped the run: {type(err).__name__}: {err}")
+    box = [sent]
     dist.broadcast_object_list(box, src=0)  # the other ranks wait here while rank 0 works
     if box[0] is not None:
         if main:
             raise err
-        raise RuntimeError(f"rank 0 stopped the run: {box[0][0]}: {box[0][1]}")
+        raise box[0]  # the same error class and message as on rank 0
     return result if main else fn()
 
 
