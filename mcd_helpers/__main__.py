@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import signal
 import sys
 import typing
@@ -169,30 +170,32 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 2
     resume_cmd = "Continue with the same command and --resume."
+    rank = os.environ.get("RANK", "0")
+    tag = "" if rank == "0" else f"[rank {rank}] "  # under torchrun every rank reports; tell them apart
     main_rank = False
     try:
         run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
                          resume=args.resume, fresh=args.fresh)
         main_rank = is_main_process()
     except TrainingInterrupted as err:
-        print(f"interrupted: {err} {resume_cmd}", file=sys.stderr)
+        print(f"{tag}interrupted: {err} {resume_cmd}", file=sys.stderr)
         return 128 + err.signal  # 143 (SIGTERM) or 130 (SIGINT), what a shell reports for a process killed by it
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (loading data, evaluating), or a second Ctrl-C
-        print(f"interrupted (SIGINT): finished stages and the last checkpoint in {args.out / 'checkpoints'} "
+        print(f"{tag}interrupted (SIGINT): finished stages and the last checkpoint in {args.out / 'checkpoints'} "
               f"are kept. {resume_cmd}", file=sys.stderr)
         return 128 + signal.SIGINT
     except PartialResultsError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{tag}error: {err}", file=sys.stderr)
         return 1
     except (NonFiniteLossError, CorruptCheckpointError, DiskFullError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{tag}error: {err}", file=sys.stderr)
         return 1
     except ConfigError as err:
-        print(f"error: {err.flag}: {err}", file=sys.stderr)
+        print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
         return 2
     except (CheckpointMismatchError, DataNotFoundError, NotWritableError, OutputLockedError, UnfinishedRunError,
             ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"{tag}error: {err}", file=sys.stderr)
         return 2
     finally:
         cleanup()  # the torchrun process group, if any
