@@ -197,6 +197,9 @@ def main(argv: list[str] | None = None) -> int:
             ValueError) as err:
         print(f"{tag}error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a file-system error not foreseen above: its message names the file
+        print(f"{tag}error: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
     finally:
         cleanup()  # the torchrun process group, if any
     if not args.quiet and main_rank:
