@@ -104,11 +104,15 @@ def writable_cache_root() -> tuple[Path, str | None]:
 
 
 def data_roots() -> list[Path]:
-    """The folders data is looked for in: :func:`cache_root`, then the writable fallback cache (if another)."""
+    """The folders data and caches are looked for in: :func:`cache_root`, then, when that cannot be
+    written, the fallback cache that :func:`writable_cache_root` writes to instead."""
     roots = [cache_root()]
-    fallback = Path(os.environ["MCD_CACHE_DIR"]).expanduser() if os.environ.get("MCD_CACHE_DIR") else _user_cache()
-    if fallback not in roots:
-        roots.append(fallback)
+    try:
+        _probe(roots[0])
+    except OSError:
+        fallback = Path(os.environ["MCD_CACHE_DIR"]).expanduser() if os.environ.get("MCD_CACHE_DIR") else _user_cache()
+        if fallback not in roots:
+            roots.append(fallback)
     return roots
 
 
