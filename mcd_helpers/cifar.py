@@ -24,6 +24,7 @@ The archives' MD5 sums are those recorded by pytorch-ood (``pytorch_ood/dataset/
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .datafiles import cache_root, move_into_place, odin_noise, private_folder
+from .datafiles import cache_root, data_roots, move_into_place, odin_noise, private_folder, writable_cache_root
 from .errors import DataNotFoundError
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "CIFAR_IMAGE_SHAPE", "CIFAR_DATASETS", "ODIN_ARCHIVES",
@@ -174,13 +175,33 @@ def _cifar_class(name: str):
     return CIFAR10 if name == "cifar10" else CIFAR100
 
 
-def _ensure_cifar(cls, root: Path) -> None:
-    """Make sure torchvision's batch files are in ``root``, each with its published MD5."""
+def _extract_somewhere(archive: Path, root: Path) -> Path:
+    """Extract ``archive`` into ``root``; when ``root`` is read-only, into the writable fallback cache.
+
+    Returns the folder it was extracted into.
+    """
+    try:
+        _extract(archive, root)
+        return root
+    except OSError as err:
+        if err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        dest, _ = writable_cache_root()
+        if dest == Path(root):
+            raise
+        _extract(archive, dest)
+        return dest
+
+
+def _ensure_cifar(cls, root: Path) -> Path:
+    """Make sure torchvision's batch files are in ``root`` (or, extracted from a read-only ``root``, in
+    the writable fallback cache), each with its published MD5. Returns the folder holding them."""
     folder = root / cls.base_folder
     expected = [*cls.train_list, *cls.test_list, [cls.meta["filename"], cls.meta["md5"]]]
     if not all((folder / f).exists() for f, _ in expected):
         archive = _fetch_archive(root, cls.filename, cls.tgz_md5, cls.url, f"{cls.__name__}", folder)
-        _extract(archive, root)
+        root = _extract_somewhere(archive, root)
+        folder = root / cls.base_folder
     for f, md5 in expected:
         if not (folder / f).exists():
             raise DataNotFoundError(f"{folder / f} is missing after extracting {root / cls.filename}; "
@@ -190,6 +211,7 @@ def _ensure_cifar(cls, root: Path) -> None:
             raise ChecksumError(
                 f"{folder / f} is corrupt: its MD5 is {actual}, expected {md5}. Delete {folder} and "
                 f"{root / cls.filename}, then download {cls.url} (MD5 {cls.tgz_md5}) again.")
+    return root
 
 
 def load_cifar(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -209,8 +231,9 @@ def load_cifar(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
         ChecksumError: when the archive or a batch file has the wrong MD5.
     """
     cls = _cifar_class(name)
-    root = cache_root()
-    _ensure_cifar(cls, root)
+    roots = data_roots()
+    root = next((r for r in roots if (r / cls.base_folder).is_dir()), roots[0])
+    root = _ensure_cifar(cls, root)
     ds = cls(str(root), train=train, download=False)
     x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).float().div_(255.0)  # (N, 3, 32, 32)
     return normalize_cifar(x), torch.as_tensor(ds.targets, dtype=torch.long)
@@ -227,6 +250,25 @@ def _image_files(folder: Path) -> list[Path]:
         dirnames.sort()
         files += [Path(dirpath) / f for f in sorted(filenames) if f.lower().endswith(IMAGE_EXTENSIONS)]
     return files
+
+
+def _odin_folder(name: str, root: Path | None = None) -> tuple[Path, Path]:
+    """``(root, folder)`` of ODIN's set ``name``: found, else its archive fetched and extracted.
+
+    Without ``root``, the data folder is searched first, then the writable fallback cache; a
+    read-only data folder's archive is extracted into the fallback cache.
+    """
+    spec = ODIN_ARCHIVES[name]
+    if root is None:
+        roots = data_roots()
+        root = next((r for r in roots if (r / name).is_dir() and _image_files(r / name)), roots[0])
+    root = Path(root)
+    folder = root / name
+    if not (folder.is_dir() and _image_files(folder)):
+        archive = _fetch_archive(root, spec.filename, spec.md5, spec.url, f"ODIN's {name} set", folder)
+        root = _extract_somewhere(archive, root)
+        folder = root / name
+    return root, folder
 
 
 def load_odin_folder(name: str, root: Path | None = None) -> torch.Tensor:
@@ -251,11 +293,7 @@ def load_odin_folder(name: str, root: Path | None = None) -> torch.Tensor:
     if name not in ODIN_ARCHIVES:
         raise ValueError(f"unknown ODIN OOD set {name!r}; choose from {', '.join(ODIN_OOD_SETS)}.")
     spec = ODIN_ARCHIVES[name]
-    root = Path(root) if root is not None else cache_root()
-    folder = root / name
-    if not (folder.is_dir() and _image_files(folder)):
-        archive = _fetch_archive(root, spec.filename, spec.md5, spec.url, f"ODIN's {name} set", folder)
-        _extract(archive, root)
+    root, folder = _odin_folder(name, root)
     files = _image_files(folder)
     if not files:
         raise DataNotFoundError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) under {folder}; "
@@ -307,12 +345,7 @@ def ood_set_size(name: str, n: int = 10_000) -> int:
         return n
     if name not in ODIN_ARCHIVES:
         raise ValueError(f"unknown OOD set {name!r} for a CIFAR ID set; choose from {', '.join(CIFAR_OOD_SETS)}.")
-    spec, root = ODIN_ARCHIVES[name], cache_root()
-    folder = root / name
-    if not (folder.is_dir() and _image_files(folder)):
-        archive = _fetch_archive(root, spec.filename, spec.md5, spec.url, f"ODIN's {name} set", folder)
-        _extract(archive, root)
-    return len(_image_files(folder))
+    return len(_image_files(_odin_folder(name)[1]))
 
 
 def load_cifar_ood(name: str, n: int = 10_000, seed: int = 0) -> torch.Tensor:

@@ -114,6 +114,41 @@ def test_cifar_archive_is_verified_and_extracted(tmp_data_dir, tmp_path, monkeyp
     assert (tmp_data_dir / CIFAR10.base_folder / "data_batch_5").exists()
 
 
+def test_archive_in_a_read_only_data_folder_is_extracted_into_the_fallback_cache(tmp_data_dir, tmp_path, monkeypatch):
+    # Finding 5: a read-only data folder ended in a raw OSError; the archive there is read, and
+    # extracted into the writable fallback cache ($MCD_CACHE_DIR) instead.
+    import errno
+
+    import mcd_helpers.datafiles as datafiles
+
+    staging = tmp_path / "staging"
+    written = _write_cifar(staging, CIFAR10, [1, 1, 1, 1, 1, 3], np.random.RandomState(5))
+    _trust_stand_ins(monkeypatch, staging, CIFAR10)
+    tmp_data_dir.mkdir(parents=True)
+    archive = tmp_data_dir / CIFAR10.filename
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(staging / CIFAR10.base_folder, arcname=CIFAR10.base_folder)
+    monkeypatch.setattr(CIFAR10, "tgz_md5", _md5(archive))
+    monkeypatch.setenv("MCD_CACHE_DIR", str(tmp_path / "fallback"))
+    probe, extract = datafiles._probe, cifar._extract
+
+    def read_only(folder):  # as root, chmod would not stop writes: refuse them here
+        if tmp_data_dir == folder or tmp_data_dir in folder.parents:
+            raise PermissionError(errno.EACCES, "Permission denied", str(folder))
+        return probe(folder)
+
+    def extract_ro(archive_path, root):
+        read_only(root)
+        return extract(archive_path, root)
+    monkeypatch.setattr(datafiles, "_probe", read_only)
+    monkeypatch.setattr(cifar, "_extract", extract_ro)
+    x, y = load_id("cifar10", train=False)
+    assert y.tolist() == written["test_batch"][1]
+    assert (tmp_path / "fallback" / CIFAR10.base_folder / "test_batch").exists()
+    assert not (tmp_data_dir / CIFAR10.base_folder).exists()
+    assert load_id("cifar10", train=False)[1].tolist() == written["test_batch"][1]  # found there next time
+
+
 def test_corrupt_cifar_archive_names_file_checksum_and_url(tmp_data_dir):
     tmp_data_dir.mkdir(parents=True)
     (tmp_data_dir / "cifar-10-python.tar.gz").write_bytes(b"not an archive")
