@@ -34,7 +34,14 @@ RUN_FIELDS = ("sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint
 
 @dataclass
 class MCDConfig:
-    """Hyperparameters of one reproduction run (pre-training + fine-tuning per OOD set and strategy)."""
+    """Hyperparameters of one reproduction run (pre-training + fine-tuning per OOD set and strategy).
+
+    Raises:
+        ConfigError: (a ``ValueError``) on a value that cannot work; its ``field`` names the field
+            and ``flag`` the command-line flag. Checks that need the data (batch sizes and ``n_val``
+            against the split, memory for ``ood_size``) run in
+            :func:`mcd_helpers.reproduce.check_sizes`, before any training.
+    """
 
     # --- data ---
     id_dataset: str = "fashion_mnist"
