@@ -13,26 +13,36 @@ With ``momentum=None`` the update is a cumulative average, ``m = 1 / num_batches
 With fixed inputs the buffers converge to a fixed point. One concatenated forward per step settles
 at the pooled statistics; two separate forwards per step (labeled, then unlabeled) settle at a blend
 weighted towards the batch forwarded last, e.g. ``(0.09 mean_sup + 0.1 mean_unsup) / 0.19`` at
-``m = 0.1``, and their running variance averages the *within*-batch variances: it lacks the
-between-batch term of :func:`pooled_variance`. Eval mode normalises with these buffers, so a
-labeled sample that was normalised with labeled-only statistics in training is normalised with
-statistics that include the unlabeled (ID + OOD) stream at evaluation.
+``m = 0.1``, and their running variance averages the *within*-batch variances with the same
+weights (0.09/0.19 ≈ 0.47 and 0.1/0.19 ≈ 0.53, whatever the batch sizes): it lacks the
+between-batch term of :func:`pooled_variance`, and since its weights are not the batch-size
+weights of the pooled variance either, it can be larger or smaller than the pooled value.
+Eval mode normalises with these buffers, so a labeled sample that was normalised with
+labeled-only statistics in training is normalised with statistics that include the unlabeled
+(ID + OOD) stream at evaluation.
 
 Shapes: BatchNorm inputs ``h: (N, C, *spatial)``; statistics are per channel, ``(C,)``.
 Counts (``n``) are the number of elements per channel, ``N * prod(spatial)``.
 """
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 STRATEGIES = ("concat", "separate")
 
 
 def _check_momentum(momentum: float | None) -> None:
-    if momentum is not None and not (0.0 < momentum <= 1.0):
+    if momentum is None:
+        return
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise ValueError(f"momentum must be a number in (0, 1] (PyTorch's weight of the new batch; default 0.1) "
+                         f"or None for a cumulative average, got {type(momentum).__name__} {momentum!r}.")
+    if not (0.0 < momentum <= 1.0):
         raise ValueError(f"momentum must be in (0, 1] (PyTorch's weight of the new batch; default 0.1) "
                          f"or None for a cumulative average, got {momentum}.")
 
@@ -41,9 +51,32 @@ def _check_input(h: torch.Tensor, name: str) -> None:
     if not isinstance(h, torch.Tensor) or h.dim() < 2:
         raise ValueError(f"{name} must be a BatchNorm input of shape (N, C, *spatial), "
                          f"got {tuple(getattr(h, 'shape', ())) or type(h).__name__}.")
-    if h.shape[0] * h[0, 0].numel() < 2:
+    if not h.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor (BatchNorm's inputs are activations), "
+                         f"got dtype {h.dtype}: convert it with {name}.float() or {name}.double().")
+    if h.shape[1] == 0:
+        raise ValueError(f"{name} has no channels (shape {tuple(h.shape)}): dimension 1 is BatchNorm's channel axis.")
+    if h.numel() // h.shape[1] < 2:
         raise ValueError(f"{name} has fewer than 2 values per channel: its unbiased variance is undefined "
-                         f"(shape {tuple(h.shape)}).")
+                         f"(shape {tuple(h.shape)}; an empty batch has none).")
+
+
+def _check_pair(h_sup: torch.Tensor, h_unsup: torch.Tensor) -> None:
+    _check_input(h_sup, "h_sup")
+    _check_input(h_unsup, "h_unsup")
+    if h_sup.shape[1:] != h_unsup.shape[1:]:
+        raise ValueError(f"h_sup and h_unsup must agree except in the batch size, got {tuple(h_sup.shape)} "
+                         f"and {tuple(h_unsup.shape)}.")
+
+
+def _check_strategy(strategy: str) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+
+
+def _check_count(n, name: str, minimum: int) -> None:
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < minimum:
+        raise ValueError(f"{name} must be an integer count of values per channel, at least {minimum}, got {n!r}.")
 
 
 def batch_stats(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -53,7 +86,8 @@ def batch_stats(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
         h: ``(N, C, *spatial)`` -> mean ``(C,)``, biased variance ``(C,)``, count ``N * prod(spatial)``.
 
     Raises:
-        ValueError: if ``h`` is not at least 2-d or has fewer than 2 values per channel.
+        ValueError: if ``h`` is not a floating-point tensor of at least 2 dimensions, has no
+            channels, or has fewer than 2 values per channel (an empty batch, for instance).
     """
     _check_input(h, "h")
     dims = [0, *range(2, h.dim())]
@@ -62,7 +96,12 @@ def batch_stats(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def unbiased(var_biased: torch.Tensor, n: int) -> torch.Tensor:
-    """Bessel's correction, ``var * n / (n - 1)``: what BatchNorm stores in ``running_var``."""
+    """Bessel's correction, ``var * n / (n - 1)``: what BatchNorm stores in ``running_var``.
+
+    Raises:
+        ValueError: if ``n`` is not an integer >= 2 (with one value the unbiased variance is undefined).
+    """
+    _check_count(n, "n", 2)
     return var_biased * n / (n - 1)
 
 
@@ -74,7 +113,19 @@ def pooled_variance(mean_a: torch.Tensor, var_a: torch.Tensor, n_a: int,
     for biased (population) variances ``var_a``, ``var_b``: the law of total variance.
 
     Shapes: all statistics ``(C,)`` (or any matching shape) -> ``(C,)``.
+
+    Raises:
+        ValueError: if a count is not an integer >= 0, both counts are 0, or the four statistics
+            do not all have the same shape.
     """
+    _check_count(n_a, "n_a", 0)
+    _check_count(n_b, "n_b", 0)
+    if n_a + n_b == 0:
+        raise ValueError("n_a and n_b are both 0: there is nothing to pool.")
+    shapes = [tuple(torch.as_tensor(t).shape) for t in (mean_a, var_a, mean_b, var_b)]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"mean_a, var_a, mean_b and var_b must have the same shape (one value per channel), "
+                         f"got {shapes}.")
     n = n_a + n_b
     return (n_a * var_a + n_b * var_b) / n + n_a * n_b / n**2 * (mean_a - mean_b) ** 2
 
@@ -86,13 +137,17 @@ def ema_fixed_point(values: Sequence[torch.Tensor], momentum: float) -> torch.Te
     For two updates (labeled, then unlabeled) at m = 0.1: (0.09 v_sup + 0.1 v_unsup) / 0.19.
 
     Raises:
-        ValueError: on an empty ``values`` or a momentum outside (0, 1].
+        ValueError: on an empty ``values``, values of different shapes (they would broadcast), or a
+            momentum outside (0, 1].
     """
     if momentum is None:
         raise ValueError("momentum=None is a cumulative average, not an EMA: use steady_state(..., momentum=None).")
     _check_momentum(momentum)
     if len(values) == 0:
         raise ValueError("values must hold at least one update per step.")
+    shapes = [tuple(torch.as_tensor(v).shape) for v in values]
+    if len(set(shapes)) > 1:
+        raise ValueError(f"values must all have the same shape (one statistic per channel), got {shapes}.")
     n, keep = len(values), 1.0 - momentum
     total = sum(momentum * keep ** (n - 1 - k) * v for k, v in enumerate(values))
     return total / (1.0 - keep**n)
@@ -107,22 +162,19 @@ def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
     updates per step, labeled then unlabeled, each with its own batch's statistics; at momentum m
     the fixed point is :func:`ema_fixed_point`; with ``momentum=None`` (cumulative average) it is
     the equal-weight average of the two batches' statistics. Either way the separate variance is a
-    blend of within-batch variances only.
+    blend of within-batch variances only, weighted by the update order rather than the batch sizes,
+    so it can lie above or below the concatenated (pooled) variance.
 
     Shapes:
         h_sup: ``(N_sup, C, *spatial)``, h_unsup: ``(N_unsup, C, *spatial)`` -> ``{"mean": (C,), "var": (C,)}``.
 
     Raises:
-        ValueError: on an unknown strategy, a bad momentum or inputs with different channel counts.
+        ValueError: on an unknown strategy, a bad momentum, inputs that :func:`batch_stats` refuses
+            or inputs that differ in anything but the batch size.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    _check_strategy(strategy)
     _check_momentum(momentum)
-    _check_input(h_sup, "h_sup")
-    _check_input(h_unsup, "h_unsup")
-    if h_sup.shape[1:] != h_unsup.shape[1:]:
-        raise ValueError(f"h_sup and h_unsup must agree except in the batch size, got {tuple(h_sup.shape)} "
-                         f"and {tuple(h_unsup.shape)}.")
+    _check_pair(h_sup, h_unsup)
     if strategy == "concat":
         mean, var, n = batch_stats(torch.cat([h_sup, h_unsup]))
         return {"mean": mean, "var": unbiased(var, n)}
@@ -139,9 +191,12 @@ def train_statistics(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str) 
     ``"separate"``: each part its own batch's; ``"concat"``: both parts the pooled ones.
 
     Shapes: as :func:`steady_state` -> ``{"sup": (mean (C,), var (C,)), "unsup": (...)}``.
+
+    Raises:
+        ValueError: as :func:`steady_state` (unknown strategy, bad inputs).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
+    _check_strategy(strategy)
+    _check_pair(h_sup, h_unsup)
     if strategy == "concat":
         mean, var, _ = batch_stats(torch.cat([h_sup, h_unsup]))
         return {"sup": (mean, var), "unsup": (mean, var)}
@@ -160,7 +215,12 @@ def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: st
 
     Returns:
         ``{"sup": scalar tensor, "unsup": scalar tensor}``.
+
+    Raises:
+        ValueError: as :func:`steady_state`, or on an ``eps`` that is not a finite number >= 0.
     """
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (0.0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0 (BatchNorm's default is 1e-5), got {eps!r}.")
     run = steady_state(h_sup, h_unsup, strategy, momentum)
     train = train_statistics(h_sup, h_unsup, strategy)
     out = {}
@@ -181,14 +241,25 @@ def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, stra
     Returns ``bn`` with its updated buffers. Runs under ``torch.no_grad``.
 
     Raises:
-        ValueError: on an unknown strategy, ``steps < 1`` or a module in eval mode.
+        ValueError: on an unknown strategy, a ``steps`` that is not an integer >= 1, a module that is
+            not a BatchNorm layer, one built with ``track_running_stats=False`` (it has no running
+            statistics), one in eval mode, inputs that :func:`steady_state` refuses, or inputs whose
+            channel count differs from ``bn.num_features``. Nothing is run before these checks.
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}.")
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}.")
+    _check_strategy(strategy)
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 1:
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}.")
+    if not isinstance(bn, _BatchNorm):
+        raise ValueError(f"bn must be a BatchNorm layer (nn.BatchNorm1d/2d/3d), got {type(bn).__name__}.")
+    if not bn.track_running_stats or bn.running_mean is None:
+        raise ValueError("bn was built with track_running_stats=False: it keeps no running statistics. "
+                         "Build it with track_running_stats=True (the default).")
     if not bn.training:
         raise ValueError("bn is in eval mode, so its running statistics would not change: call bn.train().")
+    _check_pair(h_sup, h_unsup)
+    if h_sup.shape[1] != bn.num_features:
+        raise ValueError(f"bn has {bn.num_features} channels (num_features) but the inputs have "
+                         f"{h_sup.shape[1]} (shape {tuple(h_sup.shape)}).")
     with torch.no_grad():
         for _ in range(steps):
             if strategy == "concat":
