@@ -7,9 +7,12 @@ adds its bytes when the graph saves it and subtracts them when autograd frees it
 backward that used it, or when the graph is dropped). Each distinct tensor counts once (a tensor
 saved by two nodes, e.g. a ReLU output that the next layer also saves, is one allocation), and
 tensors that live whatever the schedule (the parameters and their views, the caller's input
-batches) are not counted. This is the part of a training step's memory that grows with the batch
-and that the schedules change; it leaves out gradient buffers, the optimizer state and allocator
-caching (on CUDA, ``torch.cuda.max_memory_allocated`` measures all of those together).
+batches) are not counted. BatchNorm's running buffers (``running_mean``, ``running_var``) are
+saved by its backward node too and *are* counted, once per layer whatever the schedule (two
+``(C,)`` vectors per layer, tiny next to the activations). This is the part of a training
+step's memory that grows with the batch and that the schedules change; it leaves out gradient
+buffers, the optimizer state and allocator caching (on CUDA, ``torch.cuda.max_memory_allocated``
+measures all of those together).
 
 Schedules (each ends with ``.grad`` holding the gradient of CE1 + CE2 + discrepancy loss):
 
@@ -51,9 +54,18 @@ class SavedTensorMeter:
     ``exclude``: tensors whose storage is not counted (parameters, inputs that exist anyway).
     Attributes ``live_bytes`` and ``peak_bytes`` (bytes, int). Tensors saved inside the context
     stay accounted until autograd frees them, also after the context has exited.
+
+    Raises:
+        TypeError: if ``exclude`` holds anything but tensors (e.g. pass ``model.parameters()``,
+            not the model).
     """
 
     def __init__(self, exclude=()):
+        exclude = list(exclude)
+        for i, t in enumerate(exclude):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"exclude must hold tensors (parameters, input batches); item {i} is a "
+                                f"{type(t).__name__}.")
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
         self._refs: dict[tuple, int] = {}
         self._bytes: dict[tuple, int] = {}
@@ -118,10 +130,32 @@ def schedule_memory(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, 
         x_sup: ``(N_sup, ...)``, y_sup: ``(N_sup,)``, x_unsup: ``(N_unsup, ...)``.
 
     Raises:
-        ValueError: on an unknown schedule.
+        ValueError: on an unknown schedule, inputs that differ in anything but the batch size, a
+            model without parameters or with none that requires a gradient (a frozen model).
+        TypeError: if an input is not a tensor, or the model's forward does not return two tensors.
+        RuntimeError: if called with autograd disabled (inside ``torch.no_grad()`` or
+            ``torch.inference_mode()``): no graph would be built.
+        Errors of :func:`~mcd_helpers.losses.supervised_loss` and
+        :func:`~mcd_helpers.losses.discrepancy_loss` on bad labels, batches or margin.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}.")
+    for name, t in (("x_sup", x_sup), ("y_sup", y_sup), ("x_unsup", x_unsup)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__} "
+                            f"(convert it with torch.as_tensor).")
+    if x_sup.shape[1:] != x_unsup.shape[1:]:
+        raise ValueError(f"x_sup and x_unsup must agree except in the batch size, got {tuple(x_sup.shape)} "
+                         f"and {tuple(x_unsup.shape)}.")
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise RuntimeError("schedule_memory measures the graphs autograd builds, but autograd is disabled here "
+                           "(inside torch.no_grad() or torch.inference_mode()): call it outside that block.")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"model ({type(model).__name__}) has no parameters: there is no backward to measure.")
+    if not any(p.requires_grad for p in params):
+        raise ValueError(f"no parameter of the model ({type(model).__name__}) requires a gradient (a frozen "
+                         "model): call model.requires_grad_(True) on the part Step B trains.")
     m = copy.deepcopy(model)
     p0 = next(m.parameters())
     x_sup, x_unsup = x_sup.to(p0.device, p0.dtype), x_unsup.to(p0.device, p0.dtype)
@@ -129,16 +163,28 @@ def schedule_memory(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, 
     m.zero_grad(set_to_none=True)
     meter = SavedTensorMeter(exclude=[*m.parameters(), x_sup, x_unsup])
 
+    def forward(x):
+        out = m(x)
+        two_tensors = isinstance(out, (tuple, list)) and len(out) == 2
+        if not (two_tensors and all(isinstance(o, torch.Tensor) for o in out)):
+            if isinstance(out, torch.Tensor):
+                got = f"a tensor of shape {tuple(out.shape)}"
+            else:
+                got = f"a {type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, (tuple, list)) else "")
+            raise TypeError(f"the model's forward must return (logits1, logits2), the outputs of F1 and F2, "
+                            f"each (N, K); it returned {got}. Use a two-head model (mcd_helpers.TwoHeadNet).")
+        return out
+
     def sup_loss():
-        return supervised_loss(*m(x_sup), y_sup)
+        return supervised_loss(*forward(x_sup), y_sup)
 
     def unsup_loss():
-        return discrepancy_loss(*m(x_unsup), margin=margin)
+        return discrepancy_loss(*forward(x_unsup), margin=margin)
 
     with meter:
         if schedule == "concat":
             n = x_sup.shape[0]
-            out1, out2 = m(torch.cat([x_sup, x_unsup]))  # (N_sup + N_unsup, K) each
+            out1, out2 = forward(torch.cat([x_sup, x_unsup]))  # (N_sup + N_unsup, K) each
             loss = supervised_loss(out1[:n], out2[:n], y_sup) + discrepancy_loss(out1[n:], out2[n:], margin)
             del out1, out2
             loss.backward()

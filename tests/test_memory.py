@@ -104,3 +104,68 @@ def test_unknown_schedule_is_refused():
     model, (x_s, y_s, x_u) = _mlp(), _data()
     with pytest.raises(ValueError, match="schedule must be one of"):
         schedule_memory(model, x_s, y_s, x_u, "interleave")
+
+
+def test_batchnorm_running_buffers_are_saved_and_counted():
+    bn = nn.BatchNorm1d(4).double()
+    x = torch.randn(10, 4, dtype=torch.float64, requires_grad=True)
+    with SavedTensorMeter(exclude=[*bn.parameters(), x]) as meter:
+        y = bn(x)
+    # saved besides x and the weight: running_mean, running_var and the batch's mean and 1/std, (4,) each
+    assert meter.peak_bytes == 4 * 4 * 8
+    with SavedTensorMeter(exclude=[*bn.parameters(), *bn.buffers(), x]) as meter2:
+        y2 = bn(x)
+    assert meter2.peak_bytes == 2 * 4 * 8  # without the two running buffers
+    del y, y2
+
+
+class _OneHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class _NoParameters(nn.Module):
+    def forward(self, x):
+        return x[:, :3], x[:, 3:]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_memory_refuses_models_it_cannot_measure(schedule):
+    x_s, y_s, x_u = _data()
+    with pytest.raises(TypeError, match=r"must return \(logits1, logits2\).*returned a tensor of shape"):
+        schedule_memory(_OneHead().double(), x_s, y_s, x_u, schedule)
+    with pytest.raises(ValueError, match="has no parameters"):
+        schedule_memory(_NoParameters(), x_s, y_s, x_u, schedule)
+    frozen = _mlp().requires_grad_(False)
+    with pytest.raises(ValueError, match="requires a gradient"):
+        schedule_memory(frozen, x_s, y_s, x_u, schedule)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="autograd is disabled"):
+        schedule_memory(_mlp(), x_s, y_s, x_u, schedule)
+    with torch.inference_mode(), pytest.raises(RuntimeError, match="autograd is disabled"):
+        schedule_memory(_mlp(), x_s, y_s, x_u, schedule)
+
+
+def test_schedule_memory_refuses_bad_inputs_and_leaves_the_model_untouched():
+    model, (x_s, y_s, x_u) = _mlp(), _data()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(TypeError, match="x_sup must be a torch.Tensor, got ndarray"):
+        schedule_memory(model, x_s.numpy(), y_s, x_u, "sum")
+    with pytest.raises(TypeError, match="y_sup must be a torch.Tensor, got list"):
+        schedule_memory(model, x_s, y_s.tolist(), x_u, "sum")
+    with pytest.raises(TypeError, match="x_unsup must be a torch.Tensor"):
+        schedule_memory(model, x_s, y_s, None, "sum")
+    with pytest.raises(ValueError, match="agree except in the batch size"):
+        schedule_memory(model, x_s, y_s, torch.randn(3, 5, dtype=torch.float64), "concat")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_meter_refuses_non_tensors_in_exclude():
+    with pytest.raises(TypeError, match="item 1 is a float"):
+        SavedTensorMeter(exclude=[torch.zeros(2), 1.0])
+    with pytest.raises(TypeError, match="item 0 is a Linear"):
+        SavedTensorMeter(exclude=[nn.Linear(2, 2)])
