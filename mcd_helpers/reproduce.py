@@ -47,7 +47,7 @@ from .checkpoint import (CorruptCheckpointError, OutputLock, RollingCheckpoint, 
                          load_checkpoint, save_checkpoint)
 from .config import MCDConfig
 from .datafiles import check_writable, data_roots, writable_cache_root
-from .distributed import (broadcast_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
+from .distributed import (average_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
                           stage_key)
 from .data import cache_root, load_id, load_ood, ood_set_size, transductive_split
 from .errors import ConfigError, PartialResultsError, UnfinishedRunError
@@ -455,7 +455,7 @@ def _train_and_evaluate(cfg, env, out_dir, ckpt_dir, x_train, y_train, x_test, y
     base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet,
                             checkpoint_dir=ckpt_dir / "pretrain", resume=resume)
     base.to(cfg.device)
-    broadcast_buffers(base)  # after DDP pre-training the ranks' BatchNorm statistics differ: use rank 0's
+    average_buffers(base)  # after DDP pre-training the ranks' BatchNorm statistics differ: use their mean
     id_name = _ID_NAMES.get(cfg.id_dataset, cfg.id_dataset)
 
     rows: list[dict] = []
@@ -476,7 +476,7 @@ def _train_and_evaluate(cfg, env, out_dir, ckpt_dir, x_train, y_train, x_test, y
             for strategy in cfg.strategies:
                 model, info = _finetuned(cfg, base, x_train, y_train, split, ood, strategy, ckpt_dir,
                                          progress, quiet, resume)
-                broadcast_buffers(model)
+                average_buffers(model)
                 l1_id, l2_id = logits(model, split.test_id_x)
                 l1_ood, l2_ood = logits(model, split.test_ood_x)
                 mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))

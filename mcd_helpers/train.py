@@ -55,7 +55,7 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
 from .checkpoint import RollingCheckpoint, rng_state, set_rng_state
-from .distributed import broadcast_buffers, gather_scores, is_main_process, make_batches, stage_key, wrap_ddp
+from .distributed import average_buffers, gather_scores, is_main_process, make_batches, stage_key, wrap_ddp
 from .engine import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
                      autocast, compile_model, load_stage_state, place, prepare_model, read_back,
                      stop_on_sigterm, take)
@@ -245,7 +245,7 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
             history.append(sum(epoch_losses) / len(epoch_losses))
             epoch_losses = []
             sched.step()
-            broadcast_buffers(net)  # per-rank BatchNorm statistics: keep rank 0's (the ones saved)
+            average_buffers(net)  # per-rank BatchNorm statistics: their mean over the ranks (saved by rank 0)
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
@@ -363,7 +363,7 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
             start_step = 0
             log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
             # ---- model selection on the validation split ----
-            broadcast_buffers(net)  # every rank scores with rank 0's BatchNorm statistics
+            average_buffers(net)  # every rank scores with the ranks' mean BatchNorm statistics
             scores = [discrepancy_score(*gather_scores(lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
                       for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
             val = ood_metrics(*scores)
