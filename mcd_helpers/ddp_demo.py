@@ -13,8 +13,9 @@ Cases (each a function below, run on every rank; results are JSON-able dicts, on
 * ``find-unused``: ``find_unused_parameters=True`` with Step B's two forwards, both using every
   parameter: runs, but DDP's C++ side prints a performance warning to stderr (kept under ``"stderr"``).
 * ``find-unused-split``: forward 1 through G and F1 only, forward 2 through G and F2 only, one
-  backward: ``find_unused_parameters=True`` raises "Expected to mark a variable ready only once",
-  ``False`` runs.
+  backward: ``find_unused_parameters=True`` raises "Expected to mark a variable ready only once"
+  (F1's parameters "marked as ready twice": forward 2's search found them unused, forward 1's
+  gradient reached them), ``False`` runs.
 * ``broadcast-buffers``: ``forward_sync_buffers=True`` (the old ``broadcast_buffers=True``,
   DDP's default), train-mode BatchNorm, two forwards.
 * ``init-sync``: BatchNorm buffers that differ per rank, wrapped with ``broadcast_buffers=False``
@@ -63,7 +64,7 @@ from .models import small_cnn
 from .train import step_b_loss
 
 __all__ = ["CASES", "QUICK_FLAGS", "launch", "launch_reproduction", "tiny_model", "global_batches", "engine_setup",
-           "engine_gap", "code_tag", "OneHead", "shard", "no_sync_reference"]
+           "engine_gap", "code_tag", "omp_threads", "OneHead", "shard", "no_sync_reference"]
 
 B, K, HW = 4, 3, 8  # per-rank batch, classes, image side: seconds per case on a CPU
 MARGIN, LR = 1.2, 0.1
@@ -262,7 +263,12 @@ def case_chosen(rank: int, world: int) -> dict:
 
 
 def case_find_unused_split(rank: int, world: int) -> dict:
-    """Forward 1 through G + F1 only, forward 2 through G + F2 only, one backward; False then True."""
+    """Forward 1 through G + F1 only, forward 2 through G + F2 only, one backward; False then True.
+
+    With True the error's first line and its line naming the parameter ("Parameter at index ...
+    with name net.F1.... has been marked as ready twice") are kept: each forward's search for
+    unused parameters replaces the previous one, so the search after forward 2 finds F1 unused
+    and marks it ready, and forward 1's gradient then marks F1 a second time in the backward."""
     xs, ys, xu = (shard(t, rank, world) for t in global_batches(world))
     out = {}
     for flag in (False, True):
@@ -276,7 +282,9 @@ def case_find_unused_split(rank: int, world: int) -> dict:
             opt.step()
             out[str(flag)] = {"error": None, "replicas": all_ranks_equal(net)}
         except RuntimeError as err:
-            out[str(flag)] = {"error": type(err).__name__, "message": str(err).strip().splitlines()[0][:300]}
+            lines = str(err).strip().splitlines()
+            out[str(flag)] = {"error": type(err).__name__, "message": lines[0][:300],
+                              "ready_twice": next((ln.strip()[:300] for ln in lines if "marked as ready twice" in ln), None)}
     return out
 
 
@@ -400,14 +408,18 @@ def engine_gap(rank_result: dict, strategy: str) -> float:
 
 
 def code_tag(*parts: str) -> str:
-    """A short hash of ``parts`` and of the source of the modules that compute this module's results.
+    """A short hash of ``parts``, of ``torch.__version__`` and of the source of the modules that
+    compute this module's results.
 
-    Notebook 06 names its cached results with it, so they are recomputed when the code changes.
+    Notebook 06 names its cached results with it, so they are recomputed when the code or the
+    installed torch changes (DDP's behaviour and float results depend on both). Pass anything else
+    the results depend on in ``parts``: the reproduction passes its flags and
+    ``OMP_NUM_THREADS=`` + :func:`omp_threads` (the thread count changes a small run's numbers).
     """
     import hashlib
 
     here = Path(__file__).resolve().parent
-    blob = "\0".join(parts).encode() + b"".join(
+    blob = "\0".join((*parts, f"torch={torch.__version__}")).encode() + b"".join(
         (here / f"{m}.py").read_bytes() for m in ("ddp_demo", "distributed", "train", "engine", "reproduce", "losses",
                                                   "models", "config", "presets", "data"))
     return hashlib.sha1(blob).hexdigest()[:10]
@@ -495,11 +507,22 @@ QUICK_FLAGS = ["--preset", "quick", "--ood-sets", "gaussian", "--strategies", "s
                "1", "--steps-per-epoch", "15", "--n-val", "200", "--ood-size", "1000", "--checkpoint-every", "0"]
 
 
+def omp_threads() -> str:
+    """The caller's ``OMP_NUM_THREADS`` (``"1"`` when unset or empty): what :func:`launch_reproduction`
+    passes to every rank, and part of notebook 06's cache tag for the reproduction."""
+    return os.environ.get("OMP_NUM_THREADS") or "1"
+
+
 def launch_reproduction(out: Path, flags: list[str], nprocs: int = 2, timeout_s: float = 1800) -> tuple[list[dict], float]:
     """Run ``python -m mcd_helpers reproduce --out OUT FLAGS`` on ``nprocs`` processes; return (rows, seconds).
 
     ``nprocs > 1``: under ``torchrun --standalone --nproc_per_node=nprocs`` (Gloo on the CPU);
-    ``nprocs == 1``: a plain process. Each rank gets ``OMP_NUM_THREADS = max(1, cores // nprocs)``.
+    ``nprocs == 1``: a plain process. Every rank gets the caller's ``OMP_NUM_THREADS`` (``1`` when
+    it is unset), never a value derived from the machine's core count: the thread count changes the
+    order of float reductions and so the trajectory of a small run (measured on the quick flags,
+    seed 0, 2 ranks: MCD ``separate`` AUROC 99.92% with 1 thread per rank, 90.83% with 2), so the
+    same call must give the same numbers on every machine. Set ``OMP_NUM_THREADS`` before calling
+    to choose another thread count.
 
     Raises:
         RuntimeError: when the command exits non-zero (the tail of its output attached).
@@ -509,8 +532,7 @@ def launch_reproduction(out: Path, flags: list[str], nprocs: int = 2, timeout_s:
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", "-m"]
                 if nprocs > 1 else [sys.executable, "-m"])
     cmd = launcher + ["mcd_helpers", "reproduce", "--out", str(out), "--quiet", *flags]
-    threads = max(1, (os.cpu_count() or 1) // nprocs)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": omp_threads(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     seconds = time.time() - t0

@@ -37,8 +37,10 @@ Train-mode BatchNorm breaks the equivalence: each rank normalises with its own s
   DDP constructor, but did not find any unused parameters"; not a Python warning). When the two
   forwards use different parameter subsets (forward 1 through G and F1 only, forward 2 through G
   and F2 only; case ``find-unused-split``), ``True`` raises "Expected to mark a variable ready
-  only once" in the backward: the search after forward 1 marks F2 unused (ready), and forward 2's
-  gradient then reaches F2 as well. ``False`` runs that case.
+  only once" in the backward. Each forward's search replaces the previous one: the search after
+  forward 2 (which used G and F2) finds F1 unused and marks F1's parameters ready at once; in the
+  backward forward 1's gradient reaches F1 and marks them a second time ("Parameter at index 9
+  with name net.F1.bias has been marked as ready twice"). ``False`` runs that case.
 * ``forward_sync_buffers=False`` (torch 2.13+'s name; ``broadcast_buffers`` is deprecated since
   2.13): with ``True`` (DDP's default) DDP copies rank 0's buffers (BatchNorm's
   ``running_mean``/``running_var``) into every rank, in place, at the start of *each* forward: two
@@ -364,14 +366,28 @@ def broadcast_buffers(net: nn.Module) -> None:
 def average_buffers(net: nn.Module) -> None:
     """Replace every floating-point buffer by its mean over the ranks (``all_reduce`` SUM / W), in place.
 
-    Used before evaluation under ``forward_sync_buffers=False``, where each rank's BatchNorm
-    running statistics saw only its own shards. The running mean is an exponential moving average,
-    linear in the batch means, so with equal shards the average over ranks of ``running_mean`` is
-    exactly the ``running_mean`` of one process forwarding the global batches (same parameters).
-    ``running_var`` averages the per-rank (unbiased) variances of ``B / W`` samples: it lacks the
-    between-shard term ``Var_r(mu_r)`` of the global batch's variance (law of total variance), so
-    it is the global one only up to that term. Integer buffers (``num_batches_tracked``) are equal
-    on every rank (same number of forwards) and left as they are. No-op in a single process.
+    The training engine (``train.py``, ``reproduce.py``) calls it before every evaluation under
+    ``forward_sync_buffers=False``, where each rank's BatchNorm running statistics saw only its
+    own shards, so every rank evaluates with the same statistics, built from every rank's data.
+
+    How close that is to one process forwarding the global batches (same parameters, equal
+    shards; per channel ``n`` values per shard, i.e. ``B / W`` samples times the spatial positions,
+    and ``N = W n`` in the global batch):
+
+    * ``running_mean`` is an exponential moving average, linear in the batch means, so its
+      average over ranks equals the global one **exactly for the first BatchNorm layer** (which
+      sees the same inputs either way). Deeper layers see inputs normalised with each rank's own
+      shard statistics, not the global ones, so there the average is close, not equal.
+    * ``running_var`` stores *unbiased* batch variances. For one channel with shard means
+      ``mu_r``, shard variances ``s_r^2`` (unbiased), global mean ``mu`` and global variance
+      ``s^2`` (unbiased), the exact identity is
+      ``(N - 1) s^2 = sum_r (n - 1) s_r^2 + n sum_r (mu_r - mu)^2``.
+      The mean over ranks ``(1/W) sum_r s_r^2`` therefore differs from ``s^2`` by a Bessel factor
+      (``(n - 1) W / (N - 1)``, below 1) and by the missing between-shard term: it can lie above or
+      below the global variance (even with equal shard means it is off by the Bessel factor).
+
+    Integer buffers (``num_batches_tracked``) are equal on every rank (same number of forwards)
+    and left as they are. No-op in a single process.
     """
     world = _world()[1]
     if world == 1:

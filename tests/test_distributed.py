@@ -133,17 +133,43 @@ def test_find_unused_parameters_true_runs_but_warns_when_every_parameter_is_used
 
 
 def test_find_unused_parameters_true_fails_when_the_forwards_use_different_heads(results):
-    """Forward 1 through G + F1, forward 2 through G + F2, one backward: True raises, False runs."""
+    """Forward 1 through G + F1, forward 2 through G + F2, one backward: True raises, False runs.
+    Each forward's search for unused parameters replaces the previous one, so it is F1 (unused by
+    forward 2) that is marked ready by the search and then again by forward 1's gradient."""
     for rank in results["find-unused-split"]:
         assert rank["False"]["error"] is None and rank["False"]["replicas"] == 0.0
         assert rank["True"]["error"] == "RuntimeError"
         assert "Expected to mark a variable ready only once" in rank["True"]["message"]
+        # forward 2's search (G + F2 used) found F1 unused and marked it ready; forward 1's gradient
+        # then marked F1 again: the parameter named is one of F1's, not F2's
+        assert "marked as ready twice" in rank["True"]["ready_twice"] and "F1." in rank["True"]["ready_twice"]
 
 
-def test_broadcast_buffers_true_runs_on_cpu(results):
-    """Measured: CPU batch norm does not save running buffers for backward, so no in-place error."""
+def test_forward_sync_buffers_true_runs_in_torch_2_14(results):
+    """forward_sync_buffers=True (DDP's default) with two forwards runs in torch 2.14.1, and not because
+    of the CPU: an in-place copy into train-mode BatchNorm's running buffers between two forwards
+    does make the CPU backward raise "modified by an inplace operation" (checked below, by hand),
+    unless the copy runs inside torch.autograd._unsafe_preserve_version_counter, which is where
+    torch 2.14.1's DDP._sync_buffers runs it (test_buffer_sync_facts_of_this_torch)."""
     for rank in results["broadcast-buffers"]:
         assert rank.get("error") is None and rank["ok"] and rank["replicas"] == 0.0
+
+    def two_forwards(preserve: bool):
+        torch.manual_seed(0)
+        bn = torch.nn.BatchNorm2d(3).double().train()
+        w = torch.nn.Parameter(torch.ones(3, 3, 1, 1, dtype=torch.float64))
+        x = torch.randn(4, 3, 5, 5, dtype=torch.float64)
+        y1 = bn(F.conv2d(x, w))
+        bufs = (bn.running_mean, bn.running_var)
+        ctx = torch.autograd._unsafe_preserve_version_counter(bufs) if preserve else torch.no_grad()
+        with torch.no_grad(), ctx:  # what a buffer broadcast does on a receiving rank
+            bn.running_mean.copy_(torch.zeros(3))
+            bn.running_var.copy_(torch.ones(3))
+        (y1.sum() + bn(F.conv2d(x, w)).pow(2).sum()).backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        two_forwards(preserve=False)
+    two_forwards(preserve=True)  # raises nothing
 
 
 def test_buffer_sync_facts_of_this_torch(results):
@@ -197,15 +223,21 @@ def test_chosen_settings_run_and_keep_replicas_equal(results, strategy):
 
 
 def test_averaged_batchnorm_statistics_against_the_global_batch(results):
-    """One train-mode forward per rank. By hand, from the first convolution's outputs h of each shard
-    (channels c): running_mean = 0.9 * 0 + 0.1 * mean(h), running_var = 0.9 * 1 + 0.1 * var_unbiased(h).
-    The average over ranks of running_mean is the global batch's exactly (equal shards); running_var's
-    average lacks the between-shard term of the law of total variance; rank 0's copy matches neither."""
+    """One train-mode forward per rank; the first BatchNorm layer (it sees the same inputs on one
+    process and on the ranks, so the comparison is exact; deeper layers see inputs normalised per
+    rank). By hand, from the first convolution's outputs h of each shard (n values per channel and
+    shard, N = 2n globally): running_mean = 0.9 * 0 + 0.1 * mean(h), running_var = 0.9 * 1 +
+    0.1 * var_unbiased(h). The average over ranks of running_mean is the global batch's exactly
+    (equal shards). running_var stores unbiased variances, and the exact identity
+    (N - 1) s^2 = sum_r (n - 1) s_r^2 + n sum_r (mu_r - mu)^2
+    ties the global s^2 to the shards' s_r^2 and means mu_r: the mean of the s_r^2 differs from s^2
+    by the Bessel factor and the between-shard term. Rank 0's copy matches neither."""
     xs, _, _ = ddp_demo.global_batches(2)
     conv = ddp_demo.tiny_model("batch").G[0]
     with torch.no_grad():
         h = [conv(xs[r * 4:(r + 1) * 4]).transpose(0, 1).reshape(4, -1) for r in range(2)]  # (C, n) per shard
     h_all = torch.cat(h, dim=1)
+    n, big_n = h[0].shape[1], h_all.shape[1]
     mean_of_ranks = 0.1 * torch.stack([x.mean(1) for x in h]).mean(0)
     var_of_ranks = 0.9 + 0.1 * torch.stack([x.var(1) for x in h]).mean(0)
     var_global = 0.9 + 0.1 * h_all.var(1)
@@ -218,7 +250,20 @@ def test_averaged_batchnorm_statistics_against_the_global_batch(results):
     torch.testing.assert_close(avg, glob, rtol=0, atol=1e-15)
     torch.testing.assert_close(torch.tensor(r0["average"]["var"], dtype=torch.float64), var_of_ranks, rtol=0, atol=1e-12)
     torch.testing.assert_close(torch.tensor(r0["global"]["var"], dtype=torch.float64), var_global, rtol=0, atol=1e-12)
-    assert (var_global - var_of_ranks).abs().max() > 1e-5  # the between-shard term
+    # the identity, from the package's buffers alone: per-rank means and variances ("own"), the
+    # global ones, each undone from the momentum blend (x - 0.9 * init) / 0.1
+    mu_r = [torch.tensor(r["own"]["mean"], dtype=torch.float64) / 0.1 for r in results["buffers"]]
+    s2_r = [(torch.tensor(r["own"]["var"], dtype=torch.float64) - 0.9) / 0.1 for r in results["buffers"]]
+    mu, s2 = glob / 0.1, (torch.tensor(r0["global"]["var"], dtype=torch.float64) - 0.9) / 0.1
+    within = sum((n - 1) * v for v in s2_r)
+    between = n * sum((m - mu) ** 2 for m in mu_r)
+    torch.testing.assert_close((big_n - 1) * s2, within + between, rtol=1e-9, atol=0)
+    assert (between / (big_n - 1)).min() > 1e-6  # the shards' means differ: the term is not negligible here
+    # the average the package stores is (1/W) sum_r s_r^2, not s^2: it omits between / (N - 1) and
+    # carries the Bessel factor (n - 1) W / (N - 1)
+    s2_avg = (torch.tensor(r0["average"]["var"], dtype=torch.float64) - 0.9) / 0.1
+    torch.testing.assert_close(s2 - s2_avg, (2 * (n - 1) / (big_n - 1) - 1) * s2_avg + between / (big_n - 1),
+                               rtol=1e-9, atol=1e-12)
     assert (torch.tensor(r0["rank0"]["mean"], dtype=torch.float64) - glob).abs().max() > 1e-4  # rank 0's: one shard only
     assert r0["eval_logits_average_vs_global"] < r0["eval_logits_rank0_vs_global"]
 
@@ -343,24 +388,32 @@ def repro_runs(tmp_path_factory):
 def test_reproduction_under_torchrun_runs_and_detects(repro_runs):
     """The pipeline under torchrun (2 ranks) against one process, on the tiny QUICK_FLAGS run.
 
-    Not a parity claim: 2,000 training images, 1 pre-training epoch, 15 fine-tuning steps (ID
-    accuracy 20-70%) amplify every difference (per-rank train-mode BatchNorm over B / W samples,
-    float rounding of another CPU). Exact parity is tested where it is exact (float64, no
-    BatchNorm: test_engine_finetune_under_ddp_equals_single_process). Here only what holds with a
-    margin: MCD is a working detector, far above MSP on the same pre-trained network. Measured with
-    --seed 0..4 on this project's 2-core machine, MCD AUROC (separate / concat): 1 process
-    98.34-100.00% / 99.99-100.00%, 2 ranks 96.60-100.00% / 100.00%; |1 process - 2 ranks| up to
-    1.74 points (seed 4); MSP 7.7-70.4% (pre-training reaches 18-45% ID accuracy). On another CPU
-    one run gave 95.03% on 2 ranks against 99.80% on 1. The bounds (MCD > 0.90 and > MSP + 0.10)
-    keep 5 points below the lowest MCD value seen and 19 points below the smallest MCD - MSP gap."""
+    Not a parity claim, and no fixed AUROC bound: 2,000 training images, 1 pre-training epoch and
+    15 fine-tuning steps (ID accuracy 20-70%) amplify every difference (per-rank train-mode
+    BatchNorm over B / W samples, the order of float reductions), and the number of threads per
+    rank alone moves the result. Measured with the quick flags and the engine averaging the ranks'
+    BatchNorm statistics before evaluation (commit 4475d5f), 2 ranks, seed 0: MCD ``separate``
+    AUROC 99.92% with OMP_NUM_THREADS=1 per rank, 90.83% with 2 per rank (MSP 68.6% / 67.8%); seed 1
+    with 2 per rank: 100.00% (MSP 29.7%); seed 4 with 2 per rank: 96.94% (MSP 9.4%). One process,
+    seed 0, 1 thread: 99.79%, stable. Seeds 0-4 with 1 thread, measured before that commit: MCD
+    96.60-100.00% (2 ranks; seed 0 99.97%), 98.34-100.00% (1 process); MSP 7.7-70.4%.
+    ``launch_reproduction`` passes the caller's
+    OMP_NUM_THREADS (1 when unset, as here under pytest's usual environment), not one derived
+    from the machine's cores, so this test runs the same configuration on every machine.
+
+    What holds with room in every run seen: the rows and world sizes match, the results are
+    written once (one row per method, strategy and OOD set), and MCD beats MSP on the same
+    pre-trained network (smallest MCD - MSP gap seen: 23 points, seed 0 with 2 threads per rank).
+    Exact parity is tested where it is exact (float64, no BatchNorm:
+    test_engine_finetune_under_ddp_equals_single_process)."""
     one, two = repro_runs[1], repro_runs[2]
-    assert [(r["method"], r["strategy"], r["ood_dataset"]) for r in one] == \
-        [(r["method"], r["strategy"], r["ood_dataset"]) for r in two]
+    keys = [[(r["method"], r["strategy"], r["ood_dataset"]) for r in run] for run in (one, two)]
+    assert keys[0] == keys[1] and len(set(keys[1])) == len(keys[1]) == 3  # msp + mcd x 2 strategies, once each
     assert {r["world_size"] for r in two} == {2} and {r["world_size"] for r in one} == {1}
     for run in (one, two):
         msp = next(r["auroc"] for r in run if r["method"] == "msp")
         mcd = [r["auroc"] for r in run if r["method"] == "mcd"]
-        assert len(mcd) == 2 and all(a > max(0.90, msp + 0.10) for a in mcd), run
+        assert len(mcd) == 2 and all(a > msp for a in mcd), run
 
 
 def _script_reference() -> torch.Tensor:
