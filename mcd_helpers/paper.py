@@ -6,7 +6,7 @@ Sources (every number here is copied from one of them):
   Classifier Discrepancy", ICCV 2019 (arXiv 1908.04951): its results table for DenseNet-BC
   (L = 100, k = 12) with CIFAR-10 as the ID set, columns ODIN / ELOC / MCD, metrics FPR at 95% TPR,
   detection error and AUROC (:data:`PAPER_ROWS`). Rows for CIFAR-100 and WRN-28-10 are not
-  transcribed here.
+  transcribed here. Table and section numbers not verified offline (see :data:`PAPER_SOURCE`).
 * **The unofficial reproduction** (github.com/Mephisto405/Unsupervised-Out-of-Distribution-Detection-
   by-Maximum-Classifier-Discrepancy): AUROC 99.83 +- 0.03 % over 3 fine-tuning runs on TINr
   (:data:`UNOFFICIAL_ROWS`), as it reports it in a figure of its README (not checked against text).
@@ -28,6 +28,12 @@ __all__ = ["PAPER_SOURCE", "UNOFFICIAL_SOURCE", "PAPER_METRICS", "PAPER_OOD_SETS
 
 PAPER_SOURCE = ("Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, "
                 "CIFAR-10 as ID")
+"""Where :data:`PAPER_ROWS` come from, as printed under every comparison table.
+
+The table is named by its content, not by number: the transcription could not be checked against
+the paper offline, so table and section numbers are not verified offline (nor is any value of
+:data:`PAPER_ROWS` re-checked since it was transcribed). Check against arXiv 1908.04951 before
+citing a row."""
 UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupervised-Out-of-Distribution-"
                      "Detection-by-Maximum-Classifier-Discrepancy (a figure of its README)")
 PAPER_METRICS = ("fpr95", "detection_error", "auroc")

@@ -215,6 +215,11 @@ def test_config_hash_changes_with_settings():
 @pytest.mark.slow
 @pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
 def test_notebook_claims_at_quick_settings():
+    """Notebook 04's training-outcome bounds rest on one quick-mode run, measured: CE on the training
+    batches 0.77 -> 0.81 nats, on the ID test images 0.857 -> 0.887 nats; F1's ID accuracy 83.9% ->
+    84.4%; the heads agree on 98.8% -> 94.1% of the ID test images. So the bounds here are several
+    times wider than those changes (|CE change| < 0.25 nats, |accuracy change| < 5 points, agreement
+    > 80%), plus the direction the notebook claims: agreement drops."""
     # The claims of notebooks 04 and 05 at their quick settings (preset notebook-quick), computed
     # here afresh (not read from the notebooks' cached results): on photo_crops and digits, the
     # OOD sets where the baselines come closest (on the noise sets MCD reaches 100% AUROC).
@@ -237,25 +242,26 @@ def test_notebook_claims_at_quick_settings():
         rows = {r["method"]: r for r in comps[ood].rows}
         # 04, section 4: MCD beats MSP, ODIN and energy on AUROC
         assert all(rows["mcd"]["auroc"] > rows[m]["auroc"] for m in ("msp", "odin", "energy")), (ood, rows)
-    # 04, sections 2-3, on the walk-through's set: the gap climbs, the discrepancy loss falls, the
-    # labeled CE stays within 0.1 nats; the score is small before, large for OOD only after
+    # 04, sections 2-3, on the walk-through's set: the gap climbs, the discrepancy loss falls;
+    # the score is small before, large for OOD only after
     walk = comps["photo_crops"]
     h, k = walk.history, max(1, len(walk.history.gap) // 10)
     mean = lambda v: sum(v) / len(v)  # noqa: E731
     assert abs(mean(h.gap[:k])) < 0.3 and mean(h.gap[-k:]) > 0.5 * cfg.margin
-    assert mean(h.dis[-k:]) < 0.5 * mean(h.dis[:k]) and mean(h.ce[-k:]) < mean(h.ce[:k]) + 0.1
+    assert mean(h.dis[-k:]) < 0.5 * mean(h.dis[:k])
     (b_id, b_ood), (a_id, a_ood) = walk.scores["mcd_before"], walk.scores["mcd"]
     assert max(b_id.median(), b_ood.median()) < 0.2
     assert a_ood.median() > 1.0 > a_id.median() and a_ood.median() > 3 * b_ood.median()
-    # 04, section 2: on the ID test images the labeled CE moves by < 0.1 nats, F1's accuracy by < 2
-    # points, and the heads still agree on > 90% of them
+    # 04, section 2 (quick mode): on the training batches and the ID test images the labeled CE moves
+    # by < 0.25 nats, F1's accuracy by < 5 points; the heads agree on fewer ID images, still > 80%
     import torch.nn.functional as F
     y_id = walk_split.test_id_y
     (b1, b2), (t1, t2) = predict_logits(base, walk_split.test_id_x), predict_logits(walk.model, walk_split.test_id_x)
     ce = [F.cross_entropy(a, y_id).item() + F.cross_entropy(b, y_id).item() for a, b in ((b1, b2), (t1, t2))]
-    assert abs(ce[1] - ce[0]) < 0.1 and abs(mean(h.ce[-k:]) - mean(h.ce[:k])) < 0.1
-    assert abs((t1.argmax(1) == y_id).float().mean() - (b1.argmax(1) == y_id).float().mean()) < 0.02
-    assert (t1.argmax(1) == t2.argmax(1)).float().mean() > 0.9
+    assert abs(ce[1] - ce[0]) < 0.25 and abs(mean(h.ce[-k:]) - mean(h.ce[:k])) < 0.25
+    assert abs((t1.argmax(1) == y_id).float().mean() - (b1.argmax(1) == y_id).float().mean()) < 0.05
+    agree_before, agree_after = ((a.argmax(1) == b.argmax(1)).float().mean() for a, b in ((b1, b2), (t1, t2)))
+    assert 0.8 < agree_after < agree_before
     # 04, section 4: on Gaussian noise the baselines accept > 50% of the OOD images at 95% TPR (MSP's
     # worst FPR95 of the four sets), MCD < 5%
     noise = ex.compare_methods(base, x, y, ex.ood_split(cfg, "gaussian", xt, yt), cfg, "gaussian", "separate")

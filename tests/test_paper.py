@@ -185,6 +185,25 @@ def test_running_statistics_blend_the_two_streams():
     # a concatenated forward of both batches sees the between-batch term (law of total variance)
     within, between = (2 - 1) * 2 + (2 - 1) * 8, 2 * (1 - 6.5) ** 2 + 2 * (12 - 6.5) ** 2
     assert torch.cat([x_sup, x_unsup]).var().item() == pytest.approx((within + between) / 3)
+    # the same in the weighted form the notebook gives: N_s N_u / (N (N - 1)) (mu_s - mu_u)^2, N = 4
+    by_hand = within / 3 + 2 * 2 / (4 * 3) * (1 - 12) ** 2  # 43.667
+    assert (within + between) / 3 == pytest.approx(by_hand)
+    # the concatenated schedule through the same layer settles at that variance, not at the blend
+    bn = torch.nn.BatchNorm1d(1)
+    for _ in range(400):
+        bn(torch.cat([x_sup, x_unsup]))
+    assert bn.running_var.item() == pytest.approx(by_hand, abs=1e-3)
+    assert by_hand - (0.09 * 2 + 0.1 * 8) / 0.19 > 30  # the separate forwards' blend: 5.16
+
+
+def test_paper_source_says_what_was_not_verified():
+    """Notebook 05 says the paper's table and section numbers could not be checked offline; so does
+    the module (PAPER_SOURCE's docstring), and no table number is claimed in the printed source."""
+    import inspect
+
+    src = inspect.getsource(paper)
+    assert "table and section numbers are not verified offline" in " ".join(src.split())
+    assert "Table" not in paper.PAPER_SOURCE and "arXiv 1908.04951" in paper.PAPER_SOURCE
 
 
 @pytest.mark.parametrize("name", ["paper-cifar10-densenet", "paper-cifar10-wrn", "paper-cifar100-densenet",
