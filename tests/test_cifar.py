@@ -100,15 +100,21 @@ def test_corrupt_cifar_batch_names_file_and_checksum(tmp_data_dir, monkeypatch):
     assert "test_batch" in msg and expected in msg and CIFAR10.url in msg
 
 
-def test_cifar_archive_is_verified_and_extracted(tmp_data_dir, tmp_path, monkeypatch):
+def _cifar10_archive(data_dir, tmp_path, monkeypatch, seed):
+    """A CIFAR-10 stand-in packed as the official .tar.gz in ``data_dir`` (its MD5 trusted); the batches written."""
     staging = tmp_path / "staging"
-    written = _write_cifar(staging, CIFAR10, [1, 1, 1, 1, 1, 3], np.random.RandomState(4))
+    written = _write_cifar(staging, CIFAR10, [1, 1, 1, 1, 1, 3], np.random.RandomState(seed))
     _trust_stand_ins(monkeypatch, staging, CIFAR10)
-    tmp_data_dir.mkdir(parents=True)
-    archive = tmp_data_dir / CIFAR10.filename
+    data_dir.mkdir(parents=True)
+    archive = data_dir / CIFAR10.filename
     with tarfile.open(archive, "w:gz") as tar:
         tar.add(staging / CIFAR10.base_folder, arcname=CIFAR10.base_folder)
     monkeypatch.setattr(CIFAR10, "tgz_md5", _md5(archive))
+    return written
+
+
+def test_cifar_archive_is_verified_and_extracted(tmp_data_dir, tmp_path, monkeypatch):
+    written = _cifar10_archive(tmp_data_dir, tmp_path, monkeypatch, seed=4)
     x, y = load_id("cifar10", train=False)
     assert y.tolist() == written["test_batch"][1]
     assert (tmp_data_dir / CIFAR10.base_folder / "data_batch_5").exists()
@@ -121,14 +127,7 @@ def test_archive_in_a_read_only_data_folder_is_extracted_into_the_fallback_cache
 
     import mcd_helpers.datafiles as datafiles
 
-    staging = tmp_path / "staging"
-    written = _write_cifar(staging, CIFAR10, [1, 1, 1, 1, 1, 3], np.random.RandomState(5))
-    _trust_stand_ins(monkeypatch, staging, CIFAR10)
-    tmp_data_dir.mkdir(parents=True)
-    archive = tmp_data_dir / CIFAR10.filename
-    with tarfile.open(archive, "w:gz") as tar:
-        tar.add(staging / CIFAR10.base_folder, arcname=CIFAR10.base_folder)
-    monkeypatch.setattr(CIFAR10, "tgz_md5", _md5(archive))
+    written = _cifar10_archive(tmp_data_dir, tmp_path, monkeypatch, seed=5)
     monkeypatch.setenv("MCD_CACHE_DIR", str(tmp_path / "fallback"))
     probe, extract = datafiles._probe, cifar._extract
 
