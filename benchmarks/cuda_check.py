@@ -16,7 +16,7 @@ Smoke check on a CPU (seconds, numbers meaningless)::
 
     python benchmarks/cuda_check.py --device cpu --steps 2 --warmup 1 --batch 8 --n-train 64 --n-test 300 --n-val 100
 
-Without ``--data`` the images come from ``mcd_helpers.data.load_fashion_mnist`` (Debian's
+Without ``--data`` the images come from ``mcd_helpers.data.sets.load_fashion_mnist`` (Debian's
 ``dataset-fashion-mnist`` or ``$MCD_DATA_DIR``). OOD set: ODIN's Gaussian noise, padded the same way.
 """
 from __future__ import annotations
@@ -34,12 +34,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcd_helpers.config import MCDConfig  # noqa: E402
-from mcd_helpers.data import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood, transductive_split  # noqa: E402
+from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.data.sets import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood, transductive_split  # noqa: E402
 from mcd_helpers.losses import discrepancy_score  # noqa: E402
 from mcd_helpers.metrics import ood_metrics  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.train import finetune, predict_logits, pretrain, set_seed  # noqa: E402
+from mcd_helpers.training.loop import finetune, predict_logits, pretrain, set_seed  # noqa: E402
 
 
 def pad32(x: torch.Tensor) -> torch.Tensor:

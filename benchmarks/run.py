@@ -11,7 +11,7 @@ two loops run the same work, the official iteration (Step A, then Step B, SGD):
 
 * ``raw``: :func:`raw_loop`, the lines a user would write: ``DataLoader``s over the tensors, the
   losses written out, no checks, no logging.
-* ``mcd_helpers``: :func:`mcd_helpers.train.finetune` for one epoch of ``steps`` iterations (with
+* ``mcd_helpers``: :func:`mcd_helpers.training.loop.finetune` for one epoch of ``steps`` iterations (with
   its model selection on a 1+1-image validation split, and without checkpoints: their cost is
   measured on its own and given in the notes).
 
@@ -48,11 +48,11 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mcd_helpers.checkpoint import RollingCheckpoint  # noqa: E402
-from mcd_helpers.config import MCDConfig  # noqa: E402
-from mcd_helpers.data import TransductiveSplit  # noqa: E402
+from mcd_helpers.training.checkpoint import RollingCheckpoint  # noqa: E402
+from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.data.sets import TransductiveSplit  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.train import compile_model, finetune  # noqa: E402
+from mcd_helpers.training.loop import compile_model, finetune  # noqa: E402
 
 SHAPES = {"small_cnn": (1, 28, 28), "densenet_bc_100": (3, 32, 32)}
 VARIANTS = {  # fast-path options per variant (config fields)

@@ -37,9 +37,9 @@ import sys
 import typing
 from pathlib import Path
 
-from .config import MCDConfig
+from .experiments.config import MCDConfig
 from .errors import ConfigError
-from .presets import PRESETS, get_preset
+from .experiments.presets import PRESETS, get_preset
 
 _FIELD_HELP = {
     "id_dataset": "ID data set (Fashion-MNIST on CPU)",
@@ -155,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as err:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
-    from .checkpoint import CorruptCheckpointError
+    from .training.checkpoint import CorruptCheckpointError
     from .errors import (DataNotFoundError, DiskFullError, NotWritableError, OutputLockedError, PartialResultsError,
                          UnfinishedRunError)
-    from .reproduce import run_reproduction
-    from .engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
+    from .experiments.run import run_reproduction
+    from .training.engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
-    from .distributed import check_sync_bn, cleanup, dist_env, is_main_process
+    from .training.distributed import check_sync_bn, cleanup, dist_env, is_main_process
 
     if cfg.sync_bn and dist_env().distributed:
         try:

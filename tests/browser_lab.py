@@ -56,7 +56,7 @@ def expectations(notebook: Path) -> dict[str, bool]:
     """What the notebook's code cells promise to show, read from their source.
 
     ``widgets``: imports ipywidgets or calls ``interact``; ``graphs``: draws an autograd graph
-    (``draw_graph``/``make_dot``/graphviz); ``figures``: uses matplotlib or ``mcd_helpers.plots``.
+    (``draw_graph``/``make_dot``/graphviz); ``figures``: uses matplotlib or ``mcd_helpers.experiments.plots``.
     """
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     code = "\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"]

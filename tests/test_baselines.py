@@ -5,7 +5,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torch import nn
 
-from mcd_helpers.baselines import baseline_scores, head_logits, odin_score, tune_odin
+from mcd_helpers.experiments.baselines import baseline_scores, head_logits, odin_score, tune_odin
 from tiny_models import TinyTwoHead
 
 

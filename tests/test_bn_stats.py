@@ -1,9 +1,9 @@
-"""mcd_helpers.bn_stats: steady states checked against nn.BatchNorm2d run to convergence, and by hand."""
+"""mcd_helpers.teaching.bn_stats: steady states checked against nn.BatchNorm2d run to convergence, and by hand."""
 import pytest
 import torch
 from torch import nn
 
-from mcd_helpers import bn_stats
+from mcd_helpers.teaching import bn_stats
 
 
 def _batches(seed=0):

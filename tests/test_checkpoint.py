@@ -11,8 +11,8 @@ import os
 import subprocess
 import sys
 
-import mcd_helpers.checkpoint as checkpoint
-from mcd_helpers.checkpoint import (CorruptCheckpointError, RollingCheckpoint, atomic_write_json,
+import mcd_helpers.training.checkpoint as checkpoint
+from mcd_helpers.training.checkpoint import (CorruptCheckpointError, RollingCheckpoint, atomic_write_json,
                                     load_checkpoint, rng_state, save_checkpoint, set_rng_state)
 
 
@@ -140,7 +140,7 @@ def test_checkpoints_with_rng_states_load_with_weights_only(tmp_path):
 def test_files_follow_the_umask(tmp_path, umask):
     # Finding 6: result, checkpoint and cache files were created 0600 whatever the umask.
     code = ("import os, sys; os.umask(int(sys.argv[2], 8)); from pathlib import Path; "
-            "from mcd_helpers.checkpoint import save_checkpoint, atomic_write_json; "
+            "from mcd_helpers.training.checkpoint import save_checkpoint, atomic_write_json; "
             "save_checkpoint(Path(sys.argv[1]) / 'c.pt', {'a': 1}); atomic_write_json(Path(sys.argv[1]) / 'r.json', [1])")
     subprocess.run([sys.executable, "-c", code, str(tmp_path), oct(umask)[2:]], check=True,
                    cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -166,10 +166,10 @@ def test_a_full_disk_is_a_clear_error_and_leaves_the_old_file(tmp_path, monkeypa
 
 def test_output_lock_one_run_per_folder_and_stale_locks(tmp_path):
     # Finding 4: nothing kept two runs off one --out.
-    from mcd_helpers.checkpoint import OutputLock
+    from mcd_helpers.training.checkpoint import OutputLock
     from mcd_helpers.errors import OutputLockedError
 
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mcd_helpers.checkpoint import OutputLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mcd_helpers.training.checkpoint import OutputLock; "
                                "OutputLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)",
                                str(tmp_path)], stdout=subprocess.PIPE, text=True,
                               cwd=os.path.dirname(os.path.dirname(__file__)))

@@ -9,9 +9,9 @@ import torch
 from PIL import Image
 from torchvision.datasets import CIFAR10, CIFAR100
 
-import mcd_helpers.cifar as cifar
-from mcd_helpers.cifar import ChecksumError, OdinArchive, load_odin_folder
-from mcd_helpers.data import DataNotFoundError, load_id, load_ood
+import mcd_helpers.data.cifar as cifar
+from mcd_helpers.data.cifar import ChecksumError, OdinArchive, load_odin_folder
+from mcd_helpers.data.sets import DataNotFoundError, load_id, load_ood
 
 MEAN = np.array([125.3, 123.0, 113.9]) / 255
 STD = np.array([63.0, 62.1, 66.7]) / 255
@@ -125,7 +125,7 @@ def test_archive_in_a_read_only_data_folder_is_extracted_into_the_fallback_cache
     # extracted into the writable fallback cache ($MCD_CACHE_DIR) instead.
     import errno
 
-    import mcd_helpers.datafiles as datafiles
+    import mcd_helpers.data.files as datafiles
 
     written = _cifar10_archive(tmp_data_dir, tmp_path, monkeypatch, seed=5)
     monkeypatch.setenv("MCD_CACHE_DIR", str(tmp_path / "fallback"))
@@ -294,8 +294,8 @@ def test_data_present_looks_for_folders_or_archives(tmp_path):
 
 def test_reproduce_cli_pipeline_runs_on_cifar_stand_ins(tmp_data_dir, monkeypatch):
     # The whole `reproduce` pipeline with CIFAR-10 as ID and an ODIN folder as OOD, at toy size.
-    from mcd_helpers.config import MCDConfig
-    from mcd_helpers.reproduce import run_reproduction
+    from mcd_helpers.experiments.config import MCDConfig
+    from mcd_helpers.experiments.run import run_reproduction
 
     rng = np.random.RandomState(8)
     _write_cifar(tmp_data_dir, CIFAR10, [16, 16, 16, 16, 16, 40], rng)

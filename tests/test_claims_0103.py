@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from mcd_helpers import discrepancy_loss, discrepancy_score, entropy, small_cnn, supervised_loss
-from mcd_helpers.data import infinite_loader
-from mcd_helpers.graphs import graph_stats
-from mcd_helpers.train import step_b_loss
+from mcd_helpers.data.sets import infinite_loader
+from mcd_helpers.teaching.graphs import graph_stats
+from mcd_helpers.training.loop import step_b_loss
 from tiny_models import MLPTwoHead, TinyTwoHead
 
 
@@ -105,7 +105,7 @@ def test_01_score_rises_to_two_minus_two_over_k_as_f2_grows_confident():
 
 
 def test_01_fashion_mnist_test_set_is_near_mean_0_std_1():
-    from mcd_helpers import data
+    from mcd_helpers.data import sets as data
     if not data.DEBIAN_FMNIST_DIR.exists():
         pytest.skip("dataset-fashion-mnist not installed")
     x, _ = data.load_fashion_mnist(train=False)
@@ -115,7 +115,7 @@ def test_01_fashion_mnist_test_set_is_near_mean_0_std_1():
 def test_01_normalisation_constants_are_the_training_sets_mean_and_std():
     """FMNIST_MEAN / FMNIST_STD against the raw training pixels read here from the IDX file (not the loader)."""
     import gzip
-    from mcd_helpers import data
+    from mcd_helpers.data import sets as data
     path = data.DEBIAN_FMNIST_DIR / "train-images-idx3-ubyte.gz"
     if not path.exists():
         pytest.skip("dataset-fashion-mnist not installed")
@@ -164,7 +164,7 @@ def test_02_cycle_holds_the_first_pass_in_memory():
 
 
 def _train(model, batches, concat, lr=0.05):
-    """Both corrected seed loops, written independently of mcd_helpers.train."""
+    """Both corrected seed loops, written independently of mcd_helpers.training.loop."""
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     for x_s, y_s, x_u in batches:
         if concat:
@@ -284,7 +284,7 @@ def test_02_dropout_masks_are_identical_on_cpu_when_reseeded():
 
 
 def test_02_concatenated_running_var_has_the_between_group_term():
-    from mcd_helpers.bn_stats import batch_stats, pooled_variance, unbiased
+    from mcd_helpers.teaching.bn_stats import batch_stats, pooled_variance, unbiased
     g = torch.Generator().manual_seed(0)
     h_s = torch.randn(6, 3, 4, 4, generator=g, dtype=torch.float64)
     h_u = torch.randn(5, 3, 4, 4, generator=g, dtype=torch.float64) + 2.0
@@ -433,7 +433,7 @@ def test_03_per_part_backward_needs_no_retain_graph_but_the_concat_graph_does():
 
 
 def test_03_first_graph_is_freed_before_the_second_forward():
-    from mcd_helpers.memory import SavedTensorMeter
+    from mcd_helpers.teaching.memory import SavedTensorMeter
     model = TinyTwoHead("batch").double()
     x_s, y_s, x_u = _batch()
     with SavedTensorMeter(exclude=[*model.parameters(), x_s, x_u]) as meter:

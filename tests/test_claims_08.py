@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from mcd_helpers.compare import coupling_matrix
+from mcd_helpers.teaching.compare import coupling_matrix
 from tiny_models import TinyTwoHead
 
 

@@ -6,8 +6,8 @@ import torch
 import pytest
 
 from mcd_helpers.__main__ import build_parser, config_from_args, main
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.presets import PRESETS
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.experiments.presets import PRESETS
 
 
 def _cfg(*flags: str) -> MCDConfig:
@@ -40,7 +40,7 @@ def test_flags_override_the_preset_and_parse_their_types():
 
 
 def test_resume_and_fresh_exclude_each_other(capsys, tmp_path, monkeypatch):
-    import mcd_helpers.reproduce as reproduce
+    import mcd_helpers.experiments.run as reproduce
 
     monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded although the flags conflict"))
     args = build_parser().parse_args(["reproduce", "--out", "x", "--resume"])
@@ -93,7 +93,7 @@ def test_spaces_after_commas_in_list_flags_are_ignored():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
 def test_cuda_without_a_gpu_is_an_error_before_loading_data(capsys, tmp_path, monkeypatch):
-    import mcd_helpers.reproduce as reproduce
+    import mcd_helpers.experiments.run as reproduce
 
     monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
     assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
@@ -101,7 +101,7 @@ def test_cuda_without_a_gpu_is_an_error_before_loading_data(capsys, tmp_path, mo
 
 
 def test_an_unknown_ood_set_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
-    import mcd_helpers.reproduce as reproduce
+    import mcd_helpers.experiments.run as reproduce
 
     monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the check"))
     assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--ood-sets", "digits, foo"]) == 2

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mcd_helpers import compare_strategies
-from mcd_helpers.compare import ComparisonTable, StrategyComparison, coupling_matrix, step_cost
+from mcd_helpers.teaching.compare import ComparisonTable, StrategyComparison, coupling_matrix, step_cost
 from tiny_models import MLPTwoHead, TinyTwoHead
 
 

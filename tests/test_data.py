@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import mcd_helpers.data as data
-from mcd_helpers.data import (DataNotFoundError, infinite_loader, load_fashion_mnist, load_ood,
+import mcd_helpers.data.sets as data
+from mcd_helpers.data.sets import (DataNotFoundError, infinite_loader, load_fashion_mnist, load_ood,
                               normalize, transductive_split)
 
 
@@ -153,12 +153,13 @@ def test_a_second_run_starting_mid_read_of_the_debian_package_does_not_crash(tmp
 def test_data_and_cifar_do_not_import_each_other():
     # data.py imported cifar.py (load_cifar) and cifar.py imported data.py (cache_root, ...): a cycle.
     import ast
-    import mcd_helpers.cifar as cifar_module
+    import mcd_helpers.data.cifar as cifar_module
 
     tree = ast.parse(open(cifar_module.__file__).read())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert "data" not in imported and "mcd_helpers.data" not in imported
-    from mcd_helpers import data as d, cifar as c
+    assert "data" not in imported and "mcd_helpers.data.sets" not in imported
+    from mcd_helpers.data import sets as d
+    from mcd_helpers.data import cifar as c
     assert d.DataNotFoundError is c.DataNotFoundError and d.cache_root is c.cache_root  # old import paths
     assert d.odin_noise is c.odin_noise
 
@@ -259,7 +260,7 @@ def test_infinite_loader_on_empty_loader_raises():
 
 
 def test_odin_noise_follows_odins_definitions_at_any_shape():
-    from mcd_helpers.data import odin_noise
+    from mcd_helpers.data.sets import odin_noise
 
     g = odin_noise("gaussian", 4000, (1, 8, 8), seed=5)
     # clamp(N(0.5, 1), 0, 1): P(x == 0) = P(z < -0.5) = Phi(-0.5) ~ 0.3085, P(x == 1) = P(z > 0.5) ~ 0.3085

@@ -1,4 +1,4 @@
-"""DDP with two forwards per step (mcd_helpers.distributed, mcd_helpers.ddp_demo): CPU, Gloo, 2 processes.
+"""DDP with two forwards per step (mcd_helpers.training.distributed, mcd_helpers.teaching.ddp_demo): CPU, Gloo, 2 processes.
 
 The 2-process cases run once, in one ``torchrun`` launch (module fixture, ~15-30 s); each test
 then checks one result against a value computed here independently: the single-process step
@@ -24,10 +24,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mcd_helpers import ddp_demo
-from mcd_helpers.distributed import (DistEnv, ShardedBatches, TwoForwardModes, check_sync_bn, dist_env,
+from mcd_helpers.teaching import ddp_demo
+from mcd_helpers.training.distributed import (DistEnv, ShardedBatches, TwoForwardModes, check_sync_bn, dist_env,
                                      gather_scores, local_batch_size, shard_bounds, unwrap, wrap_ddp)
-from mcd_helpers.engine import ShuffledBatches
+from mcd_helpers.training.engine import ShuffledBatches
 from mcd_helpers.losses import discrepancy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def results():
     return ddp_demo.launch(CASES, nprocs=2)
 
 
-# ---- the single-process step, written out independently of mcd_helpers.train ----
+# ---- the single-process step, written out independently of mcd_helpers.training.loop ----
 
 def _entropy(logits):
     p = torch.softmax(logits, dim=1)
@@ -294,9 +294,9 @@ def test_no_sync_accumulates_locally_and_all_reduces_once(results):
 
 @pytest.mark.parametrize("strategy", ["separate", "concat"])
 def test_engine_finetune_under_ddp_equals_single_process(results, strategy):
-    """mcd_helpers.train.finetune itself on 2 ranks (12 iterations of Step A + Step B, validation,
+    """mcd_helpers.training.loop.finetune itself on 2 ranks (12 iterations of Step A + Step B, validation,
     model selection) = the same call in this single process, float64, no BatchNorm."""
-    from mcd_helpers.train import finetune
+    from mcd_helpers.training.loop import finetune
 
     x_sup, y_sup, split, cfg = ddp_demo.engine_setup()
     net = ddp_demo.tiny_model("none")

@@ -9,13 +9,13 @@ import pytest
 import torch
 from scipy.stats import ttest_ind
 
-from mcd_helpers import experiments as ex
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.data import DEBIAN_FMNIST_DIR, transductive_split
+from mcd_helpers.experiments import pipeline as ex
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.data.sets import DEBIAN_FMNIST_DIR, transductive_split
 from mcd_helpers.losses import discrepancy_score, energy_score, msp_score
 from mcd_helpers.metrics import ood_metrics
 from mcd_helpers.models import small_cnn
-from mcd_helpers.train import finetune, predict_logits, set_seed
+from mcd_helpers.training.loop import finetune, predict_logits, set_seed
 
 
 def _tiny():
@@ -53,7 +53,7 @@ def test_one_iteration_written_out_equals_finetune():
     (labeled stream seed + 1, unlabeled stream seed + 2), float64: the same weights and buffers."""
     import torch.nn.functional as F
 
-    from mcd_helpers.engine import ShuffledBatches
+    from mcd_helpers.training.engine import ShuffledBatches
     from mcd_helpers.losses import entropy
 
     model, x_sup, y_sup, split, cfg = _tiny()
@@ -223,8 +223,8 @@ def test_notebook_claims_at_quick_settings():
     # The claims of notebooks 04 and 05 at their quick settings (preset notebook-quick), computed
     # here afresh (not read from the notebooks' cached results): on photo_crops and digits, the
     # OOD sets where the baselines come closest (on the noise sets MCD reaches 100% AUROC).
-    from mcd_helpers.presets import get_preset
-    from mcd_helpers.reproduce import pretrained_model
+    from mcd_helpers.experiments.presets import get_preset
+    from mcd_helpers.experiments.run import pretrained_model
 
     cfg = get_preset("notebook-quick")
     x, y, xt, yt = ex.load_data(cfg)
@@ -384,7 +384,7 @@ def test_run_protocol_with_cache_loads_each_set(tmp_path, monkeypatch):
 
 
 def test_config_markdown_lists_the_settings():
-    from mcd_helpers.presets import get_preset
+    from mcd_helpers.experiments.presets import get_preset
 
     def table(cfg):
         return {l.split(" | ")[0][2:]: l.split(" | ")[1].rstrip(" |") for l in ex.config_markdown(cfg).splitlines()[2:]}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import mcd_helpers.reproduce as reproduce
+import mcd_helpers.experiments.run as reproduce
 from mcd_helpers.__main__ import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def test_config_json_always_describes_the_results(data_dir, tmp_path, monkeypatc
     assert json.loads((out / "config.json").read_text())["seed"] == 0
 
     def diverged(*args, **kwargs):
-        from mcd_helpers.engine import NonFiniteLossError
+        from mcd_helpers.training.engine import NonFiniteLossError
         raise NonFiniteLossError("simulated divergence")
     monkeypatch.setattr(reproduce, "pretrain", diverged)
     assert main(["reproduce", "--out", str(out), *TINY, "--seed", "7"]) == 1
@@ -132,11 +132,11 @@ def test_config_json_always_describes_the_results(data_dir, tmp_path, monkeypatc
 
 
 def test_a_second_run_on_a_busy_out_folder_is_refused(data_dir, tmp_path, monkeypatch, capsys):
-    from mcd_helpers.checkpoint import OutputLock
+    from mcd_helpers.training.checkpoint import OutputLock
 
     _no_training(monkeypatch)
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mcd_helpers.checkpoint import OutputLock; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from mcd_helpers.training.checkpoint import OutputLock; "
                                "OutputLock(sys.argv[1]).acquire(); print('locked', flush=True); time.sleep(60)",
                                str(out)], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
@@ -153,7 +153,7 @@ def test_a_second_run_on_a_busy_out_folder_is_refused(data_dir, tmp_path, monkey
 
 def _read_only(monkeypatch, *folders):
     """Make probe writes in ``folders`` fail with EACCES (as root, chmod would not stop them)."""
-    import mcd_helpers.datafiles as datafiles
+    import mcd_helpers.data.files as datafiles
 
     probe = datafiles._probe
 
@@ -211,9 +211,9 @@ def test_out_naming_an_existing_file(data_dir, tmp_path, monkeypatch, capsys):
 
 
 def test_a_cached_network_of_another_architecture_says_retrain(data_dir, tmp_path, monkeypatch, capsys):
-    from mcd_helpers.checkpoint import save_checkpoint
-    from mcd_helpers.config import MCDConfig
-    from mcd_helpers.distributed import stage_key
+    from mcd_helpers.training.checkpoint import save_checkpoint
+    from mcd_helpers.experiments.config import MCDConfig
+    from mcd_helpers.training.distributed import stage_key
     from mcd_helpers.models import small_cnn
     from mcd_helpers.__main__ import build_parser, config_from_args
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import mcd_helpers
-from mcd_helpers import graphs
-from mcd_helpers.graphs import (GraphTooLargeError, GraphvizMissingWarning, draw_graph, graph_nodes, graph_stats,
+from mcd_helpers.teaching import graphs
+from mcd_helpers.teaching.graphs import (GraphTooLargeError, GraphvizMissingWarning, draw_graph, graph_nodes, graph_stats,
                                 param_consumers)
-from mcd_helpers.train import step_b_loss
+from mcd_helpers.training.loop import step_b_loss
 from tiny_models import TinyTwoHead
 
 HAS_DOT = shutil.which("dot") is not None
@@ -185,4 +185,4 @@ def test_importing_the_package_does_not_import_torchviz():
             "assert 'torchviz' not in sys.modules; print(f.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=str(graphs.__file__).rsplit("/mcd_helpers/", 1)[0])
-    assert out.stdout.strip() == "mcd_helpers.graphs"
+    assert out.stdout.strip() == "mcd_helpers.teaching.graphs"

@@ -6,9 +6,9 @@ import torch
 
 matplotlib.use("Agg")
 
-import mcd_helpers.live as live
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.train import FinetuneHistory
+import mcd_helpers.teaching.live as live
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.training.loop import FinetuneHistory
 
 
 def _hist():
@@ -76,7 +76,7 @@ def test_rerun_widget_passes_the_controls_values(monkeypatch):
 def test_rerun_fine_tunes_with_the_new_settings_and_shows_the_plots(monkeypatch):
     import IPython.display
 
-    import mcd_helpers.experiments as ex
+    import mcd_helpers.experiments.pipeline as ex
     from test_experiments import _tiny
 
     model, x_sup, y_sup, split, cfg = _tiny()

@@ -1,9 +1,9 @@
-"""mcd_helpers.memory: the saved-tensor meter checked on graphs whose saved tensors are known by hand."""
+"""mcd_helpers.teaching.memory: the saved-tensor meter checked on graphs whose saved tensors are known by hand."""
 import pytest
 import torch
 from torch import nn
 
-from mcd_helpers.memory import SCHEDULES, SavedTensorMeter, schedule_memory
+from mcd_helpers.teaching.memory import SCHEDULES, SavedTensorMeter, schedule_memory
 
 
 class _SavesTwo(torch.autograd.Function):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from mcd_helpers.multisource import (de_interleave, interleave, layout_forward, make_domains, source_net,
+from mcd_helpers.teaching.multisource import (de_interleave, interleave, layout_forward, make_domains, source_net,
                                      train_sources)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mcd_helpers.errors import ConfigError
-from mcd_helpers.nearood import (CLASS_SPLITS, FMNIST_CLASSES, PROTOCOLS, SELECTIONS, ProtocolSplit,
+from mcd_helpers.data.nearood import (CLASS_SPLITS, FMNIST_CLASSES, PROTOCOLS, SELECTIONS, ProtocolSplit,
                                  check_class_split, class_split, protocol_split)
 
 

@@ -8,11 +8,11 @@ import pytest
 
 matplotlib.use("Agg")
 
-from mcd_helpers import paper
+from mcd_helpers.experiments import paper
 from mcd_helpers.__main__ import main
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.paper import beside_paper, beside_paper_markdown, paper_rows, plot_beside_paper
-from mcd_helpers.presets import PRESETS, describe_preset, get_preset
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.experiments.paper import beside_paper, beside_paper_markdown, paper_rows, plot_beside_paper
+from mcd_helpers.experiments.presets import PRESETS, describe_preset, get_preset
 
 REFERENCE = Path(__file__).resolve().parents[2] / "shared" / "reference" / "MCD.md"
 

@@ -2,7 +2,7 @@
 
 Runs use tiny settings (``ARGS``). An interrupted run is a subprocess; the interruptions are
 real signals that the process sends itself at a chosen training step: a wrapper counts the calls
-of a function of ``mcd_helpers.train`` (``supervised_loss`` in pre-training, ``step_b_loss`` in
+of a function of ``mcd_helpers.training.loop`` (``supervised_loss`` in pre-training, ``step_b_loss`` in
 fine-tuning) and sends the signal on call ``k``, so the test knows which step was cut. SIGTERM:
 the step finishes, a checkpoint is saved and the process exits with 143. SIGKILL: the process
 dies at once and the run resumes from the last periodic checkpoint. Uninterrupted and resumed
@@ -31,11 +31,11 @@ PRETRAIN_STEPS = 1000 // 64  # per epoch: 15
 FINETUNE_STEPS = 8  # per epoch
 STAGE = Path("checkpoints") / "mcd-gaussian-separate"
 
-# Runs the CLI after wrapping mcd_helpers.train.<name> so that its k-th call sends <signal> first.
+# Runs the CLI after wrapping mcd_helpers.training.loop.<name> so that its k-th call sends <signal> first.
 DRIVER = f"""
 import signal, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
-import mcd_helpers.train as train
+import mcd_helpers.training.loop as train
 from signal_on_call import signal_on_call
 signal_on_call(train, sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3]))
 from mcd_helpers.__main__ import main
@@ -52,7 +52,7 @@ def fmnist_dir(tmp_path_factory):
     if given and (Path(given) / "FashionMNIST" / "raw").is_dir():
         (root / "FashionMNIST").symlink_to(Path(given) / "FashionMNIST")
     else:
-        subprocess.run([sys.executable, "-c", "from mcd_helpers.data import load_fashion_mnist as f; f(True)"],
+        subprocess.run([sys.executable, "-c", "from mcd_helpers.data.sets import load_fashion_mnist as f; f(True)"],
                        env=_env(root), cwd=ROOT, check=True)
     return root
 
@@ -163,10 +163,10 @@ def test_checkpoint_cut_short_is_reported_and_the_previous_one_used(reference, t
 
 def test_resume_refuses_a_finished_stage_of_other_settings(tmp_path):
     # A finished fine-tuning file whose settings key differs must not be reloaded or silently redone.
-    from mcd_helpers import reproduce
-    from mcd_helpers.checkpoint import save_checkpoint
-    from mcd_helpers.config import MCDConfig
-    from mcd_helpers.engine import CheckpointMismatchError
+    from mcd_helpers.experiments import run as reproduce
+    from mcd_helpers.training.checkpoint import save_checkpoint
+    from mcd_helpers.experiments.config import MCDConfig
+    from mcd_helpers.training.engine import CheckpointMismatchError
     from mcd_helpers.models import small_cnn
 
     cfg, base = MCDConfig(), small_cnn()

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from mcd_helpers.stats import forest_plot, mean_ci, paired_differences, plot_by_protocol, summarize, summary_markdown
+from mcd_helpers.experiments.stats import forest_plot, mean_ci, paired_differences, plot_by_protocol, summarize, summary_markdown
 
 matplotlib.use("Agg")
 

@@ -12,13 +12,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import mcd_helpers.train as train
+import mcd_helpers.training.loop as train
 from signal_on_call import signal_on_call
-from mcd_helpers.checkpoint import RollingCheckpoint
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.data import transductive_split
+from mcd_helpers.training.checkpoint import RollingCheckpoint
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.data.sets import transductive_split
 from mcd_helpers.models import TwoHeadNet, small_cnn
-from mcd_helpers.train import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
+from mcd_helpers.training.loop import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
                                compile_model, finetune, pretrain, step_a_loss)
 
 
@@ -43,7 +43,7 @@ def _model(seed: int = 0, **kw) -> TwoHeadNet:
 
 
 def _signal_on_call(monkeypatch, name: str, k: int, sig=signal.SIGTERM) -> None:
-    """Make the k-th call of ``mcd_helpers.train.<name>`` send ``sig`` to this process first."""
+    """Make the k-th call of ``mcd_helpers.training.loop.<name>`` send ``sig`` to this process first."""
     signal_on_call(train, name, k, sig, setattr_=monkeypatch.setattr)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .cifar import CIFAR_OOD_SETS
+from ..data.cifar import CIFAR_OOD_SETS
 from .config import MCDConfig
 
 __all__ = ["PRESETS", "get_preset", "describe_preset"]

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .losses import energy_score, msp_score
-from .metrics import ood_metrics
+from ..losses import energy_score, msp_score
+from ..metrics import ood_metrics
 
 __all__ = ["BASELINES", "head_logits", "odin_score", "OdinParams", "tune_odin", "baseline_scores",
            "ODIN_TEMPERATURES", "ODIN_EPSILONS"]

@@ -59,8 +59,8 @@ from .distributed import average_buffers, gather_scores, is_main_process, make_b
 from .engine import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
                      autocast, compile_model, load_stage_state, place, prepare_model, read_back,
                      stop_on_sigterm, take)
-from .losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
-from .metrics import ood_metrics
+from ..losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
+from ..metrics import ood_metrics
 
 __all__ = ["set_seed", "step_b_loss", "step_a_loss", "step_a", "pretrain", "finetune", "predict_logits",
            "FinetuneHistory", "NonFiniteLossError", "TrainingInterrupted", "CheckpointMismatchError", "ShuffledBatches",

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .losses import discrepancy_loss, supervised_loss
+from ..losses import discrepancy_loss, supervised_loss
 
 SCHEDULES = ("concat", "sum", "per_part_late", "per_part")
 

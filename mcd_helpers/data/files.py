@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CorruptDataError, DataNotFoundError, NotWritableError
+from ..errors import CorruptDataError, DataNotFoundError, NotWritableError
 
 __all__ = ["cache_root", "writable_cache_root", "check_writable", "read_idx", "private_folder",
            "move_into_place", "odin_noise", "DataNotFoundError", "CorruptDataError"]

@@ -137,8 +137,8 @@ def rerun(base, x_sup, y_sup, x_test, y_test, cfg, ood: str, strategy: str, marg
     """
     from IPython.display import display
 
-    from .experiments import compare_methods, ood_split
-    from .plots import plot_roc_curves, plot_score_histograms
+    from ..experiments.pipeline import compare_methods, ood_split
+    from ..experiments.plots import plot_roc_curves, plot_score_histograms
 
     cfg = dataclasses.replace(cfg, margin=margin, finetune_epochs=epochs)
     split = ood_split(cfg, ood, x_test, y_test)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import DiskFullError, OutputLockedError
+from ..errors import DiskFullError, OutputLockedError
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "save_checkpoint",
            "load_checkpoint", "CorruptCheckpointError", "RollingCheckpoint", "rng_state",

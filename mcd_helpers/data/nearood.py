@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import TensorDataset
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 __all__ = ["FMNIST_CLASSES", "CLASS_SPLITS", "PROTOCOLS", "SELECTIONS", "ProtocolSplit",
            "check_class_split", "class_split", "protocol_split"]

@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from .baselines import BASELINES, ODIN_EPSILONS, ODIN_TEMPERATURES, OdinParams, odin_score, tune_odin
-from .checkpoint import CorruptCheckpointError, atomic_write_json, load_checkpoint, save_checkpoint
-from .data import FMNIST_STD, TransductiveSplit, cache_root, load_id, load_ood, transductive_split
-from .losses import discrepancy_score, energy_score, msp_score
-from .metrics import ood_metrics
+from ..training.checkpoint import CorruptCheckpointError, atomic_write_json, load_checkpoint, save_checkpoint
+from ..data.sets import FMNIST_STD, TransductiveSplit, cache_root, load_id, load_ood, transductive_split
+from ..losses import discrepancy_score, energy_score, msp_score
+from ..metrics import ood_metrics
 from .tables import METHODS, ablation_markdown, config_markdown, methods_markdown, plot_ablation
-from .train import FinetuneHistory, finetune, predict_logits, set_seed
+from ..training.loop import FinetuneHistory, finetune, predict_logits, set_seed
 
 __all__ = ["load_data", "ood_split", "pixel_std_of", "finetune_by_epoch", "MethodComparison", "compare_methods",
            "cached_comparison", "comparison_path", "run_protocol", "strategy_ablation", "summarize_ablation",
@@ -51,7 +51,7 @@ def pixel_std_of(id_dataset: str):
     if id_dataset == "fashion_mnist":
         return FMNIST_STD
     if id_dataset in ("cifar10", "cifar100"):
-        from .cifar import CIFAR_STD
+        from ..data.cifar import CIFAR_STD
         return CIFAR_STD
     raise ValueError(f"no pixel std known for ID data set {id_dataset!r}.")
 

@@ -57,11 +57,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from .distributed import (TwoForwardModes, all_ranks_equal, average_buffers, barrier, broadcast_buffers, cleanup,
+from ..training.distributed import (TwoForwardModes, all_ranks_equal, average_buffers, barrier, broadcast_buffers, cleanup,
                           init_distributed, wrap_ddp)
-from .losses import discrepancy_loss, supervised_loss
-from .models import small_cnn
-from .train import step_b_loss
+from ..losses import discrepancy_loss, supervised_loss
+from ..models import small_cnn
+from ..training.loop import step_b_loss
 
 __all__ = ["CASES", "QUICK_FLAGS", "launch", "launch_reproduction", "tiny_model", "global_batches", "engine_setup",
            "engine_gap", "code_tag", "omp_threads", "OneHead", "shard", "no_sync_reference"]
@@ -366,8 +366,8 @@ def engine_setup():
 
     Returns ``(x_sup (48, 1, 8, 8), y_sup (48,), split, cfg)``, float64; 6 iterations per epoch, 2 epochs.
     """
-    from .config import MCDConfig
-    from .data import transductive_split
+    from ..experiments.config import MCDConfig
+    from ..data.sets import transductive_split
 
     g = torch.Generator().manual_seed(2)
     x_sup = torch.randn(48, 1, HW, HW, generator=g, dtype=torch.float64)
@@ -383,7 +383,7 @@ def engine_setup():
 
 def case_engine(rank: int, world: int) -> dict:
     """``train.finetune`` under DDP (no BatchNorm, float64), both strategies: parameters and history."""
-    from .train import finetune
+    from ..training.loop import finetune
 
     x_sup, y_sup, split, cfg = engine_setup()
     out = {}
@@ -398,7 +398,7 @@ def case_engine(rank: int, world: int) -> dict:
 def engine_gap(rank_result: dict, strategy: str) -> float:
     """Largest ``|parameter|`` difference between case ``engine``'s DDP result for ``strategy`` and the
     same :func:`mcd_helpers.train.finetune` call run here, in one process (float64)."""
-    from .train import finetune
+    from ..training.loop import finetune
 
     x_sup, y_sup, split, cfg = engine_setup()
     net = tiny_model("none")
@@ -418,10 +418,11 @@ def code_tag(*parts: str) -> str:
     """
     import hashlib
 
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]
     blob = "\0".join((*parts, f"torch={torch.__version__}")).encode() + b"".join(
-        (here / f"{m}.py").read_bytes() for m in ("ddp_demo", "distributed", "train", "engine", "reproduce", "losses",
-                                                  "models", "config", "presets", "data"))
+        (here / f"{m}.py").read_bytes() for m in ("teaching/ddp_demo", "training/distributed", "training/loop",
+                                                  "training/engine", "experiments/run", "losses", "models",
+                                                  "experiments/config", "experiments/presets", "data/sets"))
     return hashlib.sha1(blob).hexdigest()[:10]
 
 
@@ -490,8 +491,8 @@ def launch(cases, nprocs: int = 2, timeout_s: float = 300) -> dict[str, list[dic
         raise ValueError(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}.")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
-               "-m", "mcd_helpers.ddp_demo", *cases, "--out", tmp]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+               "-m", "mcd_helpers.teaching.ddp_demo", *cases, "--out", tmp]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         files = [Path(tmp) / f"rank{r}.json" for r in range(nprocs)]
         if not all(f.exists() for f in files):
@@ -532,7 +533,7 @@ def launch_reproduction(out: Path, flags: list[str], nprocs: int = 2, timeout_s:
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", "-m"]
                 if nprocs > 1 else [sys.executable, "-m"])
     cmd = launcher + ["mcd_helpers", "reproduce", "--out", str(out), "--quiet", *flags]
-    env = {**os.environ, "OMP_NUM_THREADS": omp_threads(), "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "OMP_NUM_THREADS": omp_threads(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     t0 = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     seconds = time.time() - t0

@@ -32,9 +32,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from .cifar import load_cifar, load_cifar_ood
-from .datafiles import (cache_root, check_writable, data_roots, move_into_place, odin_noise, private_folder,
+from .files import (cache_root, check_writable, data_roots, move_into_place, odin_noise, private_folder,
                         read_idx, writable_cache_root)
-from .errors import CorruptDataError, DataNotFoundError
+from ..errors import CorruptDataError, DataNotFoundError
 
 __all__ = ["load_id", "odin_noise", "ID_DATASETS", "FMNIST_MEAN", "FMNIST_STD", "DEBIAN_FMNIST_DIR", "OFFLINE_OOD_SETS", "OOD_SETS",
            "DataNotFoundError", "CorruptDataError", "cache_root", "writable_cache_root", "check_writable",

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .forwards import ForwardsComparison, _report, default_tolerance, forward_outputs, model_dtype_device, run_both
-from .losses import discrepancy_loss, entropy, supervised_loss
+from ..losses import discrepancy_loss, entropy, supervised_loss
 
 __all__ = ["StrategyComparison", "compare_strategies", "ComparisonTable", "coupling_matrix", "StepCost",
            "step_cost", "default_tolerance"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cifar import CIFAR_OOD_SETS
-from .data import ID_DATASETS, OFFLINE_OOD_SETS
-from .errors import ConfigError
+from ..data.cifar import CIFAR_OOD_SETS
+from ..data.sets import ID_DATASETS, OFFLINE_OOD_SETS
+from ..errors import ConfigError
 
 __all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS"]
 
@@ -96,7 +96,7 @@ class MCDConfig:
     extra: dict = field(default_factory=dict)  # free-form notes stored with the results
 
     def __post_init__(self) -> None:
-        from .models import NORMS
+        from ..models import NORMS
 
         f32_max = torch.finfo(torch.float32).max
         checks = [

@@ -6,7 +6,7 @@ from typing import Mapping, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .metrics import as_scores, ood_metrics, roc_points
+from ..metrics import as_scores, ood_metrics, roc_points
 
 __all__ = ["plot_score_histograms", "plot_roc_curves"]
 

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .datafiles import cache_root, data_roots, move_into_place, odin_noise, private_folder, writable_cache_root
-from .errors import DataNotFoundError
+from .files import cache_root, data_roots, move_into_place, odin_noise, private_folder, writable_cache_root
+from ..errors import DataNotFoundError
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "CIFAR_IMAGE_SHAPE", "CIFAR_DATASETS", "ODIN_ARCHIVES",
            "ODIN_OOD_SETS", "NOISE_SETS", "CIFAR_OOD_SETS", "ChecksumError", "OdinArchive", "md5sum",

@@ -43,19 +43,19 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import (CorruptCheckpointError, OutputLock, RollingCheckpoint, atomic_write_json, atomic_write_text,
+from ..training.checkpoint import (CorruptCheckpointError, OutputLock, RollingCheckpoint, atomic_write_json, atomic_write_text,
                          load_checkpoint, save_checkpoint)
 from .config import MCDConfig
-from .datafiles import check_writable, data_roots, writable_cache_root
-from .distributed import (average_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
+from ..data.files import check_writable, data_roots, writable_cache_root
+from ..training.distributed import (average_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
                           stage_key)
-from .data import cache_root, load_id, load_ood, ood_set_size, transductive_split
-from .errors import ConfigError, PartialResultsError, UnfinishedRunError
-from .losses import discrepancy_score, msp_score
-from .metrics import METRIC_KEYS, ood_metrics
-from .models import TwoHeadNet, build_model
-from .engine import CheckpointMismatchError, TrainingInterrupted
-from .train import finetune, predict_logits, pretrain, set_seed
+from ..data.sets import cache_root, load_id, load_ood, ood_set_size, transductive_split
+from ..errors import ConfigError, PartialResultsError, UnfinishedRunError
+from ..losses import discrepancy_score, msp_score
+from ..metrics import METRIC_KEYS, ood_metrics
+from ..models import TwoHeadNet, build_model
+from ..training.engine import CheckpointMismatchError, TrainingInterrupted
+from ..training.loop import finetune, predict_logits, pretrain, set_seed
 
 __all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown", "load_results",
            "unfinished_work", "check_sizes", "check_device"]
