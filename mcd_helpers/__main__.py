@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import signal
 import sys
 import typing
 from pathlib import Path
@@ -155,12 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as err:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
-    from .training.checkpoint import CorruptCheckpointError
-    from .errors import (DataNotFoundError, DiskFullError, NotWritableError, OutputLockedError, PartialResultsError,
-                         UnfinishedRunError)
+    from .errors import exit_code
     from .experiments.run import run_reproduction
-    from .training.engine import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
-
     from .training.distributed import check_sync_bn, cleanup, dist_env, is_main_process
 
     if cfg.sync_bn and dist_env().distributed:
@@ -169,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-    resume_cmd = "Continue with the same command and --resume."
     rank = os.environ.get("RANK", "0")
     tag = "" if rank == "0" else f"[rank {rank}] "  # under torchrun every rank reports; tell them apart
     main_rank = False
@@ -177,29 +171,22 @@ def main(argv: list[str] | None = None) -> int:
         run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
                          resume=args.resume, fresh=args.fresh)
         main_rank = is_main_process()
-    except TrainingInterrupted as err:
-        print(f"{tag}interrupted: {err} {resume_cmd}", file=sys.stderr)
-        return 128 + err.signal  # 143 (SIGTERM) or 130 (SIGINT), what a shell reports for a process killed by it
-    except KeyboardInterrupt:  # Ctrl-C outside a training loop (loading data, evaluating), or a second Ctrl-C
-        print(f"{tag}interrupted (SIGINT): finished stages and the last checkpoint in {args.out / 'checkpoints'} "
-              f"are kept. {resume_cmd}", file=sys.stderr)
-        return 128 + signal.SIGINT
-    except PartialResultsError as err:
-        print(f"{tag}error: {err}", file=sys.stderr)
-        return 1
-    except (NonFiniteLossError, CorruptCheckpointError, DiskFullError) as err:
-        print(f"{tag}error: {err}", file=sys.stderr)
-        return 1
-    except ConfigError as err:
-        print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
-        return 2
-    except (CheckpointMismatchError, DataNotFoundError, NotWritableError, OutputLockedError, UnfinishedRunError,
-            ValueError) as err:
-        print(f"{tag}error: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:  # a file-system error not foreseen above: its message names the file
-        print(f"{tag}error: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one message, one exit code per error class)
+        code = exit_code(err)
+        if code >= 128:  # TrainingInterrupted (SIGTERM/SIGINT) or Ctrl-C outside a training loop
+            what = str(err) or (f"SIGINT: finished stages and the last checkpoint in {args.out / 'checkpoints'} "
+                                "are kept.")
+            print(f"{tag}interrupted: {what} Continue with the same command and --resume.", file=sys.stderr)
+        elif isinstance(err, ConfigError):
+            print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
+        elif isinstance(err, OSError) and code == 1 and type(err).__name__ in ("OSError", "PermissionError",
+                                                                                "FileNotFoundError"):
+            print(f"{tag}error: {type(err).__name__}: {err}", file=sys.stderr)
+        elif not isinstance(err, (ValueError, OSError, RuntimeError, FloatingPointError)):
+            raise  # a bug, not a user error: keep the traceback
+        else:
+            print(f"{tag}error: {err}", file=sys.stderr)
+        return code
     finally:
         cleanup()  # the torchrun process group, if any
     if not args.quiet and main_rank:

@@ -1,13 +1,15 @@
-"""The package's error classes for files, data and runs; each message says what is wrong and how to fix it.
+"""Every error class of the package, and the command line's exit code for each (:func:`exit_code`).
 
-Kept in a module of their own (imported by :mod:`mcd_helpers.data`, :mod:`mcd_helpers.cifar`,
-:mod:`mcd_helpers.checkpoint` and :mod:`mcd_helpers.reproduce`), so that no two of those import
-each other for them. ``mcd_helpers.data.DataNotFoundError`` and the other old import paths still work.
+Each message says what is wrong and how to fix it. One module for all of them, imported by the
+modules that raise them, so that no two modules import each other for an exception.
 """
 from __future__ import annotations
 
-__all__ = ["DataNotFoundError", "CorruptDataError", "NotWritableError", "DiskFullError", "OutputLockedError",
-           "UnfinishedRunError", "ConfigError", "PartialResultsError"]
+import signal
+
+__all__ = ["DataNotFoundError", "CorruptDataError", "ChecksumError", "NotWritableError", "DiskFullError",
+           "OutputLockedError", "UnfinishedRunError", "ConfigError", "PartialResultsError", "CorruptCheckpointError",
+           "CheckpointMismatchError", "NonFiniteLossError", "TrainingInterrupted", "exit_code"]
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -16,6 +18,10 @@ class DataNotFoundError(FileNotFoundError):
 
 class CorruptDataError(DataNotFoundError):
     """A data file exists but cannot be used (cut short, wrong format); the message names the file and the fix."""
+
+
+class ChecksumError(DataNotFoundError):
+    """A data file exists but its MD5 sum is not the published one (cut short or another file)."""
 
 
 class NotWritableError(PermissionError):
@@ -61,3 +67,52 @@ class PartialResultsError(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.failures))
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A checkpoint file exists but cannot be read (cut short, or not a checkpoint)."""
+
+
+class CheckpointMismatchError(ValueError):
+    """Resuming found a checkpoint written by another stage or with other settings."""
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or inf; the message names the step and the loss parts."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM or SIGINT (Ctrl-C) arrived; the stage was checkpointed after the step in progress.
+
+    ``signal`` is the signal's number: the command line exits with ``128 + signal`` (143 for
+    SIGTERM, 130 for SIGINT), as a shell reports a process killed by it.
+    """
+
+    def __init__(self, message: str, signum: int = signal.SIGTERM):
+        super().__init__(message)
+        self.signal = int(signum)
+
+    def __reduce__(self):
+        return (type(self), (str(self), self.signal))
+
+
+def exit_code(err: BaseException) -> int:
+    """The command line's exit status for ``err``: the one mapping from errors to exit codes.
+
+    * ``128 + signal`` for :class:`TrainingInterrupted` and ``KeyboardInterrupt`` (130 for SIGINT,
+      143 for SIGTERM), as a shell reports a process killed by the signal;
+    * 2 for a usage error the user can fix before running again: a bad setting, missing data,
+      an unwritable or locked output folder, an unfinished run, settings that changed on resume;
+    * 1 for a failure during the run: divergence, a corrupt checkpoint, a full disk, failed OOD
+      sets, another file-system error.
+    """
+    if isinstance(err, TrainingInterrupted):
+        return 128 + err.signal
+    if isinstance(err, KeyboardInterrupt):
+        return 128 + signal.SIGINT
+    if isinstance(err, (PartialResultsError, NonFiniteLossError, CorruptCheckpointError, DiskFullError)):
+        return 1
+    if isinstance(err, (ConfigError, CheckpointMismatchError, DataNotFoundError, NotWritableError, OutputLockedError,
+                        UnfinishedRunError, ValueError, KeyError)):
+        return 2
+    return 1

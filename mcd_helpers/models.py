@@ -84,9 +84,15 @@ class TwoHeadNet(nn.Module):
         self.check_input(x)
         return self.G(x)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, detach_f2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(F1(G(x)), F2(G(x)))``, each ``(N, K)``.
+
+        ``detach_f2=True`` is the official Step A forward ``(F1(G(x)), F2(G(x).detach()))``: F2's
+        loss trains F2 only, not G. It is a forward argument (not a call of ``features`` and the
+        heads from outside) so that a DistributedDataParallel wrapper sees every training forward.
+        """
         feat = self.features(x)  # (N, D)
-        return self.F1(feat), self.F2(feat)  # (N, K) each
+        return self.F1(feat), self.F2(feat.detach() if detach_f2 else feat)  # (N, K) each
 
 
 # ----------------------------------------------------------------------------------------------

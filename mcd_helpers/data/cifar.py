@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from .files import cache_root, data_roots, move_into_place, odin_noise, private_folder, writable_cache_root
-from ..errors import DataNotFoundError
+from ..errors import ChecksumError, DataNotFoundError
 
 __all__ = ["CIFAR_MEAN", "CIFAR_STD", "CIFAR_IMAGE_SHAPE", "CIFAR_DATASETS", "ODIN_ARCHIVES",
            "ODIN_OOD_SETS", "NOISE_SETS", "CIFAR_OOD_SETS", "ChecksumError", "OdinArchive", "md5sum",
@@ -48,8 +48,6 @@ CIFAR_DATASETS = ("cifar10", "cifar100")
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif")  # official loader's list
 
 
-class ChecksumError(DataNotFoundError):
-    """A data file exists but its MD5 sum is not the published one (cut short or another file)."""
 
 
 @dataclass(frozen=True)

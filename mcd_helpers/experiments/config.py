@@ -6,8 +6,6 @@ Every field is a CLI flag of ``python -m mcd_helpers reproduce`` (``--finetune-l
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -15,19 +13,23 @@ import torch
 
 from ..data.cifar import CIFAR_OOD_SETS
 from ..data.sets import ID_DATASETS, OFFLINE_OOD_SETS
+from ..data.nearood import CLASS_SPLITS, PROTOCOLS, SELECTIONS
 from ..errors import ConfigError
+from ..steps import STRATEGIES
 
-__all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS"]
+__all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS", "PRETRAIN_FIELDS"]
 
-STRATEGIES = ("separate", "concat")
 SCHEDULES = ("official", "step_b")
 AMP_MODES = ("none", "bf16")
-# Fields that say how to run, not what to compute: they may change between an interrupted run and
-# its resume. The resumed numbers are exactly those of an uninterrupted run when these stay as they
-# were; num_threads, eval_batch_size and the GPU options change them only at float rounding level
-# (another reduction order; measured ~1e-7 on gradients between 1 and 2 CPU threads).
-# sync_bn changes the numbers only under torchrun, where the stage keys carry it anyway
-# (mcd_helpers.distributed.stage_key), so it stays out of the hash of single-process runs.
+# Fields that say how to run, not what to compute: left out of the cache key
+# (:func:`mcd_helpers.experiments.cache.cache_key`), so they may change between an interrupted run and
+# its resume, or between a notebook and the command line. num_threads, eval_batch_size and the GPU
+# options change the numbers only at float rounding level (~1e-7 on gradients between 1 and 2 CPU
+# threads). The world size and sync_bn enter the key under torchrun.
+# What determines the pre-trained network (its cache key); the other fields only change fine-tuning.
+PRETRAIN_FIELDS = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
+                   "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed", "train_subset", "amp",
+                   "class_split", "protocol", "n_holdout", "split_seed")
 RUN_FIELDS = ("sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
               "compile", "data_on_device", "extra", "ood_sets", "strategies")
 
@@ -52,6 +54,13 @@ class MCDConfig:
     train_subset: int = 0  # 0 = every ID training image; N > 0 = the first N (fast tests and demos)
     test_subset: int = 0  # 0 = the whole ID test set; N > 0 = its first N, before the split (fast tests)
 
+    # --- near-OOD task and protocol (issue "experiments that can tell the answers apart") ---
+    class_split: str = ""  # "" = all ID classes; a name of data.nearood.CLASS_SPLITS = 6 known / 4 held-out classes
+    protocol: str = "transductive"  # transductive (paper) | disjoint | unseen-ood (data.nearood.PROTOCOLS)
+    selection: str = "ood-labels"  # ood-labels (official: best validation AUROC) | last-epoch
+    n_holdout: int = 6000  # disjoint / unseen-ood: ID training images held out of the labeled set (unlabeled pool)
+    far_ood: str = "digits"  # unseen-ood: the source of the unlabeled OOD images (the test OOD is the held-out classes)
+
     # --- model ---
     model: str = "small_cnn"  # small_cnn | densenet_bc_100 | wrn_28_10
     norm: str = "batch"  # small_cnn only: batch | group | none
@@ -66,7 +75,7 @@ class MCDConfig:
 
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
-    strategies: tuple[str, ...] = STRATEGIES  # how Step B feeds x_sup and x_unsup
+    strategies: tuple[str, ...] = ("separate", "concat")  # how Step B feeds x_sup and x_unsup (steps.STRATEGIES)
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); >0 caps it
     finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)
@@ -106,6 +115,15 @@ class MCDConfig:
             ("schedule", self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, got {self.schedule!r}"),
             ("strategies", len(self.strategies) > 0 and all(s in STRATEGIES for s in self.strategies),
              f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies!r}"),
+            ("class_split", self.class_split == "" or self.class_split in CLASS_SPLITS,
+             f"class_split must be empty (all classes) or one of {', '.join(CLASS_SPLITS)}, got {self.class_split!r}"),
+            ("class_split", self.class_split == "" or self.id_dataset == "fashion_mnist",
+             f"class_split applies to fashion_mnist only, got id_dataset={self.id_dataset!r}"),
+            ("protocol", self.protocol in PROTOCOLS, f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}"),
+            ("protocol", self.protocol == "transductive" or self.class_split != "",
+             f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
+            ("selection", self.selection in SELECTIONS, f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}"),
+            ("n_holdout", self.n_holdout >= 1, f"n_holdout must be >= 1 held-out ID training image, got {self.n_holdout}"),
             ("ood_sets", len(self.ood_sets) > 0, "ood_sets is empty: name at least one OOD set"),
             ("margin", self.margin >= 0, f"margin must be >= 0 nats, got {self.margin}"),
             ("batch_size_sup", self.batch_size_sup > 0, f"batch_size_sup must be positive, got {self.batch_size_sup}"),
@@ -165,27 +183,11 @@ class MCDConfig:
         ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names).
         """
         known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else CIFAR_OOD_SETS
+        if self.class_split:
+            known = known + ("heldout",)  # the held-out classes of the class split
         unknown = [name for name in self.ood_sets if name not in known]
         if unknown:
             raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def pretrain_key(self) -> str:
-        """Short hash of everything that determines the pre-trained network (its cache key)."""
-        keys = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
-                "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed")
-        blob = {k: getattr(self, k) for k in keys}
-        # Fields added later enter only when set, so networks cached before keep their keys.
-        blob.update({k: getattr(self, k) for k, off in (("train_subset", 0), ("amp", "none")) if getattr(self, k) != off})
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]
-
-    def training_key(self) -> str:
-        """Short hash of every field that changes what a fine-tuning stage computes.
-
-        Leaves out :data:`RUN_FIELDS` (device, threads, checkpoint interval, the GPU speed options,
-        the lists of OOD sets and strategies), so a run may be resumed with those changed.
-        """
-        blob = {k: v for k, v in self.to_dict().items() if k not in RUN_FIELDS}
-        return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:12]

@@ -1,13 +1,12 @@
-"""The reproduction pipeline behind ``python -m mcd_helpers reproduce``.
+"""``python -m mcd_helpers reproduce``: the pipeline (:mod:`mcd_helpers.experiments.pipeline`) run
+into an output folder.
 
-1. Load Fashion-MNIST (ID) and pre-train the model, or reuse the cached pre-trained checkpoint
-   (``<cache root>/checkpoints/pretrain-<model>-<hash>.pt``, the hash covering every setting
-   that shapes it).
-2. For each OOD set: the transductive split; the MSP baseline on the pre-trained network; then
-   one MCD fine-tuning per strategy, each from the same pre-trained weights and seed.
-3. Evaluate on the test split; per OOD set write ``hist_<ood>.png`` (score histograms) and
-   ``roc_<ood>.png`` (ROC curves); at the end write ``config.json``, ``results.json`` and
-   ``results.md`` together (each atomically), so the three always describe the same run.
+1. Load the ID data; per OOD set (:func:`~mcd_helpers.experiments.pipeline.run_ood_set`): the
+   split, the pre-trained network and one MCD fine-tuning per strategy (both from the one cache,
+   :mod:`mcd_helpers.experiments.cache`), then MSP, ODIN, energy and MCD on the test split.
+2. Per OOD set write ``hist_<ood>.png`` (score histograms) and ``roc_<ood>.png`` (ROC curves);
+   at the end write ``config.json``, ``results.json`` and ``results.md`` together (each
+   atomically), so the three always describe the same run.
 
 Before any training (every setting that can be checked is checked then, errors naming the flag):
 the output folder is locked for this run (``<out>/.lock``, :class:`~mcd_helpers.checkpoint.OutputLock`)
@@ -21,13 +20,13 @@ run stops with :class:`~mcd_helpers.errors.UnfinishedRunError`. When one OOD set
 rows of the others are still written and the failure is recorded (``run.json``, ``results.md``).
 
 Under ``torchrun --standalone --nproc_per_node=N -m mcd_helpers reproduce ...`` every stage trains
-with DDP (:mod:`mcd_helpers.distributed`: settings and why), the test and validation scores are
+with DDP (:mod:`mcd_helpers.training.distributed`), the test and validation scores are
 gathered from all ranks so the metrics use the whole split, and only rank 0 writes the cache,
 checkpoints, ``results.json``, ``results.md`` and the plots; every rank returns the same rows.
 Rank 0 prepares the data and the caches (downloads, extractions) while the other ranks wait;
 a setting or data error found by rank 0 is raised on every rank (no rank is left waiting).
 
-Every training stage checkpoints into ``<out>/checkpoints/`` (:mod:`mcd_helpers.train`), so an
+Every training stage checkpoints into ``<out>/checkpoints/`` (:mod:`mcd_helpers.training.loop`), so an
 interrupted run continues with ``resume=True`` (CLI: ``--resume``) and ends with the same numbers.
 """
 from __future__ import annotations
@@ -36,43 +35,24 @@ import dataclasses
 import datetime
 import json
 import os
-import pickle
 import shutil
-import time
 from pathlib import Path
 
 import torch
 
-from ..training.checkpoint import (CorruptCheckpointError, OutputLock, RollingCheckpoint, atomic_write_json, atomic_write_text,
-                         load_checkpoint, save_checkpoint)
+from ..data.files import check_writable, writable_cache_root
+from ..data.sets import ood_set_size
+from ..errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, PartialResultsError,
+                      TrainingInterrupted, UnfinishedRunError)
+from ..metrics import METRIC_KEYS
+from ..training.checkpoint import OutputLock, atomic_write_json, atomic_write_text
+from ..training.distributed import check_sync_bn, init_distributed, is_main_process, on_rank0_first
 from .config import MCDConfig
-from ..data.files import check_writable, data_roots, writable_cache_root
-from ..training.distributed import (average_buffers, check_sync_bn, gather_scores, init_distributed, is_main_process,
-                          stage_key)
-from ..data.sets import cache_root, load_id, load_ood, ood_set_size, transductive_split
-from ..errors import ConfigError, PartialResultsError, UnfinishedRunError
-from ..losses import discrepancy_score, msp_score
-from ..metrics import METRIC_KEYS, ood_metrics
-from ..models import TwoHeadNet, build_model
-from ..training.engine import CheckpointMismatchError, TrainingInterrupted
-from ..training.loop import finetune, predict_logits, pretrain, set_seed
+from .pipeline import HELD_OUT, load_data, run_ood_set
 
-__all__ = ["run_reproduction", "pretrained_model", "id_accuracy", "results_markdown", "load_results",
-           "unfinished_work", "check_sizes", "check_device"]
+__all__ = ["run_reproduction", "results_markdown", "load_results", "unfinished_work", "check_sizes", "check_device"]
 
 _ID_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
-
-
-def id_accuracy(logits1: torch.Tensor, targets: torch.Tensor) -> float:
-    """Classification accuracy (fraction) of F1 on ID data.
-
-    F1 is the network's classifier: in the official Step A only F1's cross-entropy reaches G
-    (F2 sees detached features), and Step B pushes F2 to be confident on unlabeled data.
-
-    Shapes:
-        logits1: ``(N, K)``; targets: ``(N,)``.
-    """
-    return float((logits1.argmax(1) == targets).float().mean())
 
 
 def _log(msg: str, quiet: bool) -> None:
@@ -80,152 +60,18 @@ def _log(msg: str, quiet: bool) -> None:
         print(msg, flush=True)
 
 
-def _fresh_copy(cfg: MCDConfig, model: TwoHeadNet) -> TwoHeadNet:
-    """A plain (uncompiled, CPU) model of ``cfg.model`` holding ``model``'s weights and buffers."""
-    fresh = build_model(cfg.model, model.in_channels, model.num_classes, cfg.norm)
-    fresh.load_state_dict(model.state_dict())
-    return fresh
-
-
-def pretrained_model(cfg: MCDConfig, x: torch.Tensor, y: torch.Tensor, retrain: bool = False,
-                     progress: bool = True, quiet: bool = False, checkpoint_dir: Path | None = None,
-                     resume: bool = False) -> TwoHeadNet:
-    """The pre-trained network for ``cfg``: loaded from the cache if there, else trained and cached.
-
-    The cache file is ``<cache root>/checkpoints/pretrain-<model>-<cfg.pretrain_key()>.pt``
-    (looked for in the data folder and the writable fallback cache; written to the writable one).
-    While training, checkpoints go to ``checkpoint_dir`` (when given); ``resume=True`` continues
-    from them. Returns a plain model on the CPU (not compiled), whatever ``cfg``'s fast path.
-
-    Raises:
-        NonFiniteLossError, TrainingInterrupted: from :func:`~mcd_helpers.train.pretrain`.
-        CorruptCheckpointError: when the cached file holds a network of another architecture
-            (the message says to pass ``--retrain``).
-        NotWritableError: when no cache folder can be written.
-    """
-    name = f"pretrain-{cfg.model}-{stage_key(cfg.pretrain_key(), cfg.sync_bn)}.pt"
-    write_root, _ = writable_cache_root()
-    path = write_root / "checkpoints" / name
-    in_channels, num_classes = x.shape[1], int(y.max()) + 1
-    model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
-    # rank 0 decides whether the cached network is used, so that all ranks train or none does
-    cached = None if retrain else _on_rank0_first(
-        lambda: next((p for p in [r / "checkpoints" / name for r in data_roots()] + [path] if p.exists()), None))
-    if cached is not None:
-        try:
-            state = load_checkpoint(cached, required=("model",))["model"]
-        except CorruptCheckpointError as err:
-            _log(f"{err} Training again.", quiet)
-        else:
-            try:
-                model.load_state_dict(state)
-            except RuntimeError as err:  # another architecture or width under this name
-                raise CorruptCheckpointError(
-                    f"the cached pre-trained network {cached} does not fit {cfg.model} (norm={cfg.norm}, "
-                    f"{in_channels} input channels, {num_classes} classes): "
-                    f"{str(err).splitlines()[0].strip()} Pass --retrain (retrain=True) to pre-train it again "
-                    "(the file is replaced), or delete the file.") from err
-            _log(f"reusing the pre-trained network {cached}", quiet)
-            return model
-    ckpt = RollingCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
-    set_seed(cfg.seed)
-    model = build_model(cfg.model, in_channels, num_classes, cfg.norm)
-    t0 = time.time()
-    losses = pretrain(model, x, y, cfg, progress=progress, checkpoint=ckpt, resume=resume)
-    _log(f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
-         f"(last epoch's loss {losses[-1]:.3f} nats)", quiet)
-    model = _fresh_copy(cfg, model.cpu())
-    if not is_main_process():
-        return model
-    save_checkpoint(path, {"model": model.state_dict(), "config": cfg.to_dict(), "losses": losses})
-    if ckpt is not None:
-        ckpt.clear()  # the cache file now holds the result
-    return model
-
-
 def results_markdown(rows: list[dict], failures: dict[str, str] | None = None) -> str:
     """A Markdown table of result rows, metrics in % (the paper's unit), and the failed OOD sets if any."""
     head = ("| ID | OOD | method | strategy | FPR95 | det. error | AUROC | AUPR-In | AUPR-Out | ID acc. |\n"
             "|---|---|---|---|---:|---:|---:|---:|---:|---:|\n")
-    lines = [f"| {r['id_dataset']} | {r['ood_dataset']} | {r['method']} | {r['strategy'] or '-'} | "
+    lines = [f"| {r['id_dataset']}{' ' + r['class_split'] if r.get('class_split') else ''} | {r['ood_dataset']} | "
+             f"{r['method']} | {r['strategy'] or '-'} | "
              + " | ".join(f"{100 * r[k]:.2f}" for k in (*METRIC_KEYS, "id_accuracy")) + " |"
              for r in rows]
     text = head + "\n".join(lines) + "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
     if failures:
         text += "\n**Failed OOD sets** (no rows):\n\n" + "".join(f"- {k}: {v}\n" for k, v in failures.items())
     return text
-
-
-def _row(cfg: MCDConfig, ood: str, method: str, strategy, metrics: dict, acc: float, **extra) -> dict:
-    return {"id_dataset": cfg.id_dataset, "ood_dataset": ood, "method": method, "strategy": strategy,
-            "seed": cfg.seed, **metrics, "id_accuracy": acc, **extra}
-
-
-def _finetuned(cfg: MCDConfig, base: TwoHeadNet, x_train, y_train, split, ood: str, strategy: str,
-               ckpt_dir: Path, progress: bool, quiet: bool, resume: bool) -> tuple[TwoHeadNet, dict]:
-    """One fine-tuning stage: reloaded when a resumed run finished it already, else trained.
-
-    Returns the fine-tuned model (best validation AUROC) and ``{"val_auroc", "seconds"}``.
-    """
-    final = ckpt_dir / f"mcd-{ood}-{strategy}.pt"
-    if resume and final.exists():
-        try:
-            state = load_checkpoint(final, required=("model", "key", "val_auroc", "seconds"))
-            if state["key"] != stage_key(cfg.training_key(), cfg.sync_bn):
-                raise CheckpointMismatchError(
-                    f"{final} was fine-tuned with other settings ({state['key']}) than this run's "
-                    f"({stage_key(cfg.training_key(), cfg.sync_bn)}): the settings changed. Resume with the "
-                    "same settings, or run without --resume (or with another --out).")
-            model = _fresh_copy(cfg, base)
-            model.load_state_dict(state["model"])
-            _log(f"{ood:>12} | mcd {strategy:>8} | finished before, reloaded from {final}", quiet)
-            return model.to(cfg.device), state
-        except CorruptCheckpointError as err:
-            _log(f"{err} Fine-tuning again.", quiet)
-    stage = RollingCheckpoint(ckpt_dir / f"mcd-{ood}-{strategy}")
-    set_seed(cfg.seed)
-    model = _fresh_copy(cfg, base)
-    t0 = time.time()
-    hist = finetune(model, x_train, y_train, split, cfg, strategy, progress=progress, checkpoint=stage,
-                    resume=resume)
-    info = {"val_auroc": hist.val_auroc, "seconds": round(time.time() - t0, 1)}
-    if not is_main_process():
-        return model, info
-    save_checkpoint(final, {"model": model.state_dict(), "config": cfg.to_dict(),
-                            "key": stage_key(cfg.training_key(), cfg.sync_bn), "ood": ood, "strategy": strategy, **info})
-    stage.clear()  # the final file now holds the result
-    return model, info
-
-
-def _on_rank0_first(fn):
-    """``fn()`` on rank 0 first, then (once it succeeded) on the other ranks, which wait meanwhile.
-
-    In one process it is just ``fn()``. Under ``torchrun`` rank 0's exception, if any, is sent to
-    every rank and raised there too, so that no rank waits forever for a rank that gave up.
-    """
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return fn()
-    main, result, err = is_main_process(), None, None
-    if main:
-        try:
-            result = fn()
-        except Exception as e:  # noqa: BLE001  (sent to the other ranks, raised everywhere)
-            err = e
-    sent = err
-    if err is not None:
-        try:
-            pickle.dumps(err)
-        except Exception:  # noqa: BLE001  (an exception that does not pickle: send its text)
-            sent = RuntimeError(f"rank 0 stopped the run: {type(err).__name__}: {err}")
-    box = [sent]
-    dist.broadcast_object_list(box, src=0)  # the other ranks wait here while rank 0 works
-    if box[0] is not None:
-        if main:
-            raise err
-        raise box[0]  # the same error class and message as on rank 0
-    return result if main else fn()
 
 
 def check_device(cfg: MCDConfig) -> None:
@@ -273,7 +119,7 @@ def check_sizes(cfg: MCDConfig, n_train: int, n_test: int, ood_sizes: dict[str, 
     if cfg.batch_size_sup > n_train:
         raise ConfigError("batch_size_sup", f"batch_size_sup={cfg.batch_size_sup} is larger than the {n_train} "
                                             f"labeled ID training images (train_subset={cfg.train_subset}).")
-    for ood, n_ood in ood_sizes.items():
+    for ood, n_ood in ood_sizes.items():  # (the held-out classes' split checks its own sizes)
         for what, n in (("ID test set", n_test), (f"OOD set {ood}", n_ood)):
             if cfg.n_val >= n:
                 raise ConfigError("n_val", f"n_val={cfg.n_val} validation images are taken from the {what}, which "
@@ -379,12 +225,6 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         CheckpointMismatchError: (a ValueError) when resuming with settings that differ from the
             interrupted run's.
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from .plots import plot_roc_curves, plot_score_histograms
-
     if resume and fresh:
         raise ConfigError("fresh", "--resume continues the checkpoints in --out and --fresh deletes them: pass one.")
     cfg.check_ood_sets()
@@ -404,27 +244,16 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     lock = OutputLock(out_dir)
     try:
         # ---- before any training: --out, the caches, the data, every OOD set, the sizes ----
-        _on_rank0_first(lambda: _prepare_out(out_dir, lock, cfg, resume, fresh, quiet) if is_main_process() else None)
+        on_rank0_first(lambda: _prepare_out(out_dir, lock, cfg, resume, fresh, quiet) if is_main_process() else None)
         try:
-            _, note = _on_rank0_first(writable_cache_root)
+            _, note = on_rank0_first(writable_cache_root)
             if note:
                 _log(f"note: {note}", quiet)
 
-            def load_data():
-                x_tr, y_tr = load_id(cfg.id_dataset, train=True)
-                x_te, y_te = load_id(cfg.id_dataset, train=False)
-                sizes = {ood: ood_set_size(ood, cfg.ood_size, cfg.id_dataset) for ood in cfg.ood_sets}
-                if cfg.train_subset > 0:
-                    x_tr, y_tr = x_tr[:cfg.train_subset], y_tr[:cfg.train_subset]
-                if cfg.test_subset > 0:
-                    x_te, y_te = x_te[:cfg.test_subset], y_te[:cfg.test_subset]
-                check_sizes(cfg, len(x_tr), len(x_te), sizes, tuple(x_tr.shape[1:]))
-                return x_tr, y_tr, x_te, y_te
-
-            x_train, y_train, x_test, y_test = _on_rank0_first(load_data)  # rank 0 downloads; the others wait
-            rows, failures = _train_and_evaluate(cfg, env, out_dir, ckpt_dir, x_train, y_train, x_test, y_test,
-                                                 retrain, progress, quiet, resume, plt, plot_roc_curves,
-                                                 plot_score_histograms)
+            data = load_data(cfg)
+            sizes = {ood: ood_set_size(ood, cfg.ood_size, cfg.id_dataset) for ood in cfg.ood_sets if ood != HELD_OUT}
+            check_sizes(cfg, len(data.x_train), len(data.x_test), sizes, tuple(data.x_train.shape[1:]))
+            rows, failures = _train_and_evaluate(cfg, env, out_dir, data, retrain, progress, quiet, resume)
         except BaseException as err:
             if main:  # this run wrote run.json's "running" (in _prepare_out): say how it ended
                 status = "interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
@@ -444,53 +273,31 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     return rows
 
 
-def _train_and_evaluate(cfg, env, out_dir, ckpt_dir, x_train, y_train, x_test, y_test, retrain, progress, quiet,
-                        resume, plt, plot_roc_curves, plot_score_histograms) -> tuple[list[dict], dict[str, str]]:
-    """Pre-training (or the cached network), then per OOD set: MSP, MCD per strategy, plots."""
-    main = is_main_process()
+def _train_and_evaluate(cfg, env, out_dir, data, retrain, progress, quiet, resume) -> tuple[list[dict], dict[str, str]]:
+    """Per OOD set: :func:`~mcd_helpers.experiments.pipeline.run_ood_set`, log lines and plots."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-    def logits(model, x):  # both heads' logits on all of x, scored in shards by all ranks
-        return gather_scores(lambda t: predict_logits(model, t, cfg.eval_batch_size, cfg.device), x)
+    from .plots import plot_roc_curves, plot_score_histograms
 
-    base = pretrained_model(cfg, x_train, y_train, retrain=retrain, progress=progress, quiet=quiet,
-                            checkpoint_dir=ckpt_dir / "pretrain", resume=resume)
-    base.to(cfg.device)
-    average_buffers(base)  # after DDP pre-training the ranks' BatchNorm statistics differ: use their mean
+    log = None if quiet else (lambda msg: print(msg, flush=True))
     id_name = _ID_NAMES.get(cfg.id_dataset, cfg.id_dataset)
-
     rows: list[dict] = []
     failures: dict[str, str] = {}
     for ood in cfg.ood_sets:
         try:
-            ood_rows = []
-            split = transductive_split(x_test, y_test, load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset),
-                                       cfg.n_val, cfg.split_seed)
-            # ---- MSP baseline on the pre-trained network (F1's softmax) ----
-            l1_id, _ = logits(base, split.test_id_x)
-            l1_ood, _ = logits(base, split.test_ood_x)
-            msp = (msp_score(l1_id), msp_score(l1_ood))
-            ood_rows.append(_row(cfg, ood, "msp", None, ood_metrics(*msp), id_accuracy(l1_id, split.test_id_y),
-                                 world_size=env.world_size))
-            panels, curves = {"MSP (pre-trained)": msp}, {"MSP (pre-trained)": msp}
-            # ---- MCD fine-tuning, once per strategy, from the same weights and seed ----
-            for strategy in cfg.strategies:
-                model, info = _finetuned(cfg, base, x_train, y_train, split, ood, strategy, ckpt_dir,
-                                         progress, quiet, resume)
-                average_buffers(model)
-                l1_id, l2_id = logits(model, split.test_id_x)
-                l1_ood, l2_ood = logits(model, split.test_ood_x)
-                mcd = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
-                m = ood_metrics(*mcd)
-                ood_rows.append(_row(cfg, ood, "mcd", strategy, m, id_accuracy(l1_id, split.test_id_y),
-                                     best_val_auroc=max(info["val_auroc"]), finetune_seconds=info["seconds"],
-                                     world_size=env.world_size))
-                panels[f"MCD ({strategy})"] = curves[f"MCD ({strategy})"] = mcd
-                _log(f"{ood:>12} | mcd {strategy:>8} | AUROC {100 * m['auroc']:6.2f}% | FPR95 "
-                     f"{100 * m['fpr95']:5.2f}% | ID acc. {100 * ood_rows[-1]['id_accuracy']:.2f}% | "
-                     f"{info['seconds']:.0f} s", quiet)
-            if main:
+            ood_rows, scores, _, _ = run_ood_set(cfg, data, ood, retrain=retrain, progress=progress, log=log,
+                                                 checkpoint_dir=out_dir / "checkpoints", resume=resume)
+            for r in ood_rows:
+                r["world_size"] = env.world_size
+                _log(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}% | "
+                     f"FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%", quiet)
+            if is_main_process():
+                panels = {(f"MCD ({k[4:]})" if k.startswith("mcd:") else f"{k.upper() if k != 'energy' else k} (pre-trained)"): v
+                          for k, v in scores.items()}
                 for name, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"{id_name} (ID) vs {ood} (OOD)")),
-                                  (f"roc_{ood}.png", plot_roc_curves(curves, f"{id_name} vs {ood}"))):
+                                  (f"roc_{ood}.png", plot_roc_curves(panels, f"{id_name} vs {ood}"))):
                     fig.savefig(out_dir / name, dpi=110)
                     plt.close(fig)
         except (TrainingInterrupted, CheckpointMismatchError, KeyboardInterrupt, CorruptCheckpointError):

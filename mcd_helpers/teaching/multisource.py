@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .norms import per_source_batchnorm, recalibrate_bn, use_source, freeze_bn
+from ..norms import per_source_batchnorm, recalibrate_bn, use_source, freeze_bn
 
 __all__ = ["interleave", "de_interleave", "make_domains", "source_net", "layout_forward", "train_sources",
            "SourcesResult", "LAYOUTS", "NORMS"]

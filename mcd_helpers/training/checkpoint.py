@@ -34,15 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import DiskFullError, OutputLockedError
+from ..errors import CorruptCheckpointError, DiskFullError, OutputLockedError
 
 __all__ = ["atomic_write_bytes", "atomic_write_text", "atomic_write_json", "save_checkpoint",
            "load_checkpoint", "CorruptCheckpointError", "RollingCheckpoint", "rng_state",
            "set_rng_state", "file_mode", "OutputLock", "DiskFullError", "OutputLockedError"]
 
 
-class CorruptCheckpointError(RuntimeError):
-    """A checkpoint file exists but cannot be read (cut short, or not a checkpoint)."""
 
 
 def file_mode() -> int:

@@ -1,9 +1,5 @@
-"""The training engine's parts shared by pre-training and fine-tuning (:mod:`mcd_helpers.train`).
+"""The training loop's parts shared by pre-training and fine-tuning (:mod:`mcd_helpers.training.loop`).
 
-* :class:`ShuffledBatches`: the data order (a seeded DataLoader's) as a pure function of (seed,
-  pass), so a resumed run skips consumed batches by arithmetic and the data set may live on the
-  GPU. Under ``torchrun`` each rank takes its share of every batch of the same permutation
-  (:class:`mcd_helpers.distributed.ShardedBatches`), so the global batches are the single-process ones.
 * The GPU fast path: :func:`prepare_model` (device, ``channels_last``, :func:`compile_model`),
   :func:`autocast` (bfloat16), :func:`place` / :func:`take` (data held on the device).
 * Run control: :func:`stop_on_sigterm` (SIGTERM or SIGINT: finish the step, checkpoint, stop),
@@ -19,93 +15,10 @@ import threading
 import torch
 from torch import nn
 
-__all__ = ["NonFiniteLossError", "TrainingInterrupted", "CheckpointMismatchError", "ShuffledBatches", "compile_model", "prepare_model",
-           "autocast", "place", "take", "stop_on_sigterm", "stop_on_signal", "StopFlag", "read_back", "load_stage_state"]
+from ..errors import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
 
-
-class NonFiniteLossError(FloatingPointError):
-    """The loss became NaN or inf; the message names the step and the loss parts."""
-
-
-class CheckpointMismatchError(ValueError):
-    """Resuming found a checkpoint written by another stage or with other settings."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGTERM or SIGINT (Ctrl-C) arrived; the stage was checkpointed after the step in progress.
-
-    ``signal`` is the signal's number: the command line exits with ``128 + signal`` (143 for
-    SIGTERM, 130 for SIGINT), as a shell reports a process killed by it.
-    """
-
-    def __init__(self, message: str, signum: int = signal.SIGTERM):
-        super().__init__(message)
-        self.signal = int(signum)
-
-
-class ShuffledBatches:
-    """Index batches of shuffled passes over ``n`` samples, a pure function of (seed, stream, pass).
-
-    The order is that of ``DataLoader(dataset, batch_size=B, shuffle=True, drop_last=True,
-    generator=torch.Generator().manual_seed(seed + stream))`` iterated again for every pass (the
-    loaders of the first version of this package, so the quick preset's numbers are unchanged):
-    pass ``p`` is the permutation that ``RandomSampler`` draws on the loader's ``p``-th iteration,
-    and its batch ``i`` is ``perm[i * B:(i + 1) * B]`` (a last incomplete batch is dropped). Per
-    iteration the loader draws an int64 (its iterator's base seed; once more for each further
-    iterator made and dropped, ``iterators`` - 1 of them) and ``randperm(n)``; a pass run to its
-    end (``drained=True``, a ``for`` loop over the loader) draws one more ``randperm(n)`` that it
-    never uses, a pass cut short (``itertools.islice``) does not. Asking for pass ``p`` replays
-    those draws, so a resumed run needs no saved sampler state; the current pass's permutation is
-    cached. (``tests/test_train.py`` checks the order against a real DataLoader.)
-
-    Args:
-        n: samples in the data set; batch_size: ``B``; seed: the run's seed;
-        stream: added to the seed, telling the run's streams apart (pre-training 0, labeled 1,
-            unlabeled 2, as the first version's loaders did);
-        device: where the index tensors are put (the data's device);
-        drained: whether every pass runs to its end (see above);
-        iterators: loader iterators made per pass (2 where ``tqdm.auto`` wrapped the loader: its
-            asyncio wrapper calls ``iter`` once more).
-
-    Raises:
-        ValueError: if ``batch_size`` is not in ``[1, n]`` (no full batch could be formed).
-    """
-
-    def __init__(self, n: int, batch_size: int, seed: int, stream: int = 0, device="cpu", drained: bool = True,
-                 iterators: int = 1):
-        if not 1 <= batch_size <= n:
-            raise ValueError(f"batch_size must be between 1 and the data set's size {n}, got {batch_size}; "
-                             "lower the batch size or use more data.")
-        self.n, self.batch_size, self.seed, self.stream, self.drained = n, batch_size, seed, stream, drained
-        self.iterators = iterators
-        self.device = torch.device(device)
-        self.per_pass = n // batch_size  # full batches per pass
-        self._gen, self._pass, self._perm = None, -1, None
-
-    def permutation(self, p: int) -> torch.Tensor:
-        """The order of pass ``p``: a permutation of ``range(n)``, shape ``(n,)``."""
-        if p != self._pass or self._perm is None:
-            if self._gen is None or p < self._pass:  # start over and replay
-                self._gen, self._pass = torch.Generator().manual_seed(self.seed + self.stream), -1
-            while self._pass < p:
-                if self._pass >= 0 and self.drained:
-                    torch.randperm(self.n, generator=self._gen)  # drawn at the end of a drained pass
-                for _ in range(self.iterators):  # each iterator's base seed
-                    torch.empty((), dtype=torch.int64).random_(generator=self._gen)
-                perm = torch.randperm(self.n, generator=self._gen)
-                self._pass += 1
-            self._perm = perm.to(self.device)
-        return self._perm
-
-    def batch(self, p: int, i: int) -> torch.Tensor:
-        """Indices of batch ``i`` of pass ``p``, shape ``(B,)``."""
-        if not 0 <= i < self.per_pass:
-            raise IndexError(f"a pass has {self.per_pass} batches, asked for batch {i}.")
-        return self.permutation(p)[i * self.batch_size:(i + 1) * self.batch_size]
-
-    def batch_at(self, k: int) -> torch.Tensor:
-        """Indices of the ``k``-th batch of the endless stream (pass ``k // per_pass``)."""
-        return self.batch(*divmod(k, self.per_pass))
+__all__ = ["compile_model", "prepare_model", "autocast", "place", "take", "stop_on_sigterm", "stop_on_signal",
+           "StopFlag", "read_back", "load_stage_state"]
 
 
 def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:

@@ -1,45 +1,27 @@
 """MCD training: pre-training, and fine-tuning with Step A / Step B, in plain PyTorch loops.
 
-Official fine-tuning (github.com/YU1ut/UOOD-MCD ``solver.py``), each iteration:
+The losses of one iteration (Step A, Step B and its strategies) are in :mod:`mcd_helpers.steps`;
+this module runs them over the data. How the loops are built (each one reads top to bottom;
+``benchmarks/run.py`` measures them against a hand-written loop):
 
-* **Step A**: CE on a labeled batch; F2 sees G's features detached, so only CE(F1) reaches G.
-* **Step B**: CE(F1) + CE(F2) on the labeled batch + the discrepancy loss on an unlabeled batch;
-  one backward, one optimizer step.
-
-Step B needs the labeled and the unlabeled batch in the same step. ``strategy`` says how they go
-through the model:
-
-* ``"separate"``: two forwards, ``model(x_sup)`` and ``model(x_unsup)`` (the official code).
-* ``"concat"``: one forward of ``torch.cat([x_sup, x_unsup])``, outputs split by rows.
-
-Both give the same loss and gradients when every layer treats each sample on its own; with
-train-mode BatchNorm they do not (batch statistics couple the samples; see notebook 02).
-
-How the loops are built (each one reads top to bottom; ``benchmarks/run.py`` measures them
-against a hand-written loop):
-
-* **Data order** is a pure function of the seed: pass ``p`` over a data set is the permutation
-  that a ``DataLoader(..., shuffle=True, drop_last=True)`` with a seeded generator draws on its
-  ``p``-th iteration (:class:`ShuffledBatches`; the first version of these loops used such
-  loaders). A resumed run skips the batches already consumed by arithmetic, and the data set can
-  live on the GPU.
+* **Data order** is a pure function of the seed (:class:`~mcd_helpers.training.batches.Batches`):
+  a seeded permutation per (seed, stream, pass). A resumed run skips the batches already consumed
+  by arithmetic, and the data set can live on the GPU.
 * **No host-device synchronisation per step**: the per-step losses stay on the device and are
   read back, and checked for NaN/inf, every ``cfg.checkpoint_every`` steps and at each epoch end
   (one sync each), before any checkpoint is written: a NaN never reaches a checkpoint.
-* **Checkpoints** (``checkpoint=``, a :class:`~mcd_helpers.checkpoint.RollingCheckpoint`) every
-  ``cfg.checkpoint_every`` steps and at each epoch end hold the model, optimizer, scheduler, the
-  RNG states, epoch and step, the history and (fine-tuning) the best validation AUROC and its
+* **Checkpoints** (``checkpoint=``, a :class:`~mcd_helpers.training.checkpoint.RollingCheckpoint`)
+  every ``cfg.checkpoint_every`` steps and at each epoch end hold the model, optimizer, scheduler,
+  the RNG states, epoch and step, the history and (fine-tuning) the best validation AUROC and its
   weights. ``resume=True`` continues from them exactly. SIGTERM or SIGINT (Ctrl-C) finishes the
-  step in progress, saves, and raises :class:`TrainingInterrupted` (its ``signal`` says which).
-* **Fast path** (config fields, all off by default): ``amp="bf16"`` (autocast, no loss scaling
-  needed for bfloat16), ``channels_last``, ``compile`` (G only, ``dynamic=False``: one graph per
-  batch shape, compiled once; see :func:`compile_model`), ``data_on_device``.
-* **torchrun**: under ``torchrun`` (a process group initialised, see :mod:`mcd_helpers.distributed`)
-  both stages train through ``DistributedDataParallel`` (``find_unused_parameters=False``,
-  ``forward_sync_buffers=False``, SyncBatchNorm with ``cfg.sync_bn``); each rank takes its
-  ``B / W`` share of every single-process batch, dealt by a ``DistributedSampler`` (labeled and
-  unlabeled streams), so the global batches are those of one process; validation scores are
-  gathered from all ranks, and only rank 0 writes checkpoints. In one process nothing changes.
+  step in progress, saves, and raises :class:`~mcd_helpers.errors.TrainingInterrupted`.
+* **Live views**: ``finetune(..., on_epoch=f)`` calls ``f(epoch, history)`` after every epoch
+  (a notebook's live plot); the run itself is not restarted or cut into pieces.
+* **Fast path** (config fields, all off by default): ``amp="bf16"``, ``channels_last``, ``compile``
+  (G only, ``dynamic=False``), ``data_on_device``.
+* **torchrun**: both stages train through :func:`~mcd_helpers.training.distributed.wrap_ddp`;
+  each rank takes ``batch[rank::world]`` of every single-process batch; validation scores are
+  gathered from all ranks; only rank 0 writes checkpoints. In one process nothing changes.
 """
 from __future__ import annotations
 
@@ -47,26 +29,26 @@ import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm.auto import tqdm
 
-from .checkpoint import RollingCheckpoint, rng_state, set_rng_state
-from .distributed import average_buffers, gather_scores, is_main_process, make_batches, stage_key, wrap_ddp
-from .engine import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
-                     autocast, compile_model, load_stage_state, place, prepare_model, read_back,
-                     stop_on_sigterm, take)
-from ..losses import discrepancy_loss, discrepancy_score, entropy, supervised_loss
+from ..errors import ConfigError
+from ..losses import discrepancy_score, supervised_loss
 from ..metrics import ood_metrics
+from ..data.nearood import SELECTIONS
+from ..steps import check_strategy, step_a_loss, step_b_loss
+from .batches import LABELED, PRETRAIN, UNLABELED, Batches
+from .checkpoint import RollingCheckpoint, rng_state, set_rng_state
+from .distributed import average_buffers, gather_scores, is_main_process, world, wrap_ddp
+from .engine import autocast, load_stage_state, place, prepare_model, read_back, stop_on_sigterm, take
 
-__all__ = ["set_seed", "step_b_loss", "step_a_loss", "step_a", "pretrain", "finetune", "predict_logits",
-           "FinetuneHistory", "NonFiniteLossError", "TrainingInterrupted", "CheckpointMismatchError", "ShuffledBatches",
-           "prepare_model", "compile_model"]
+__all__ = ["set_seed", "step_a", "pretrain", "finetune", "predict_logits", "FinetuneHistory", "SELECTIONS"]
 
-_PRETRAIN, _SUP, _UNSUP = 0, 1, 2  # data streams: generator seeds seed + 0, seed + 1, seed + 2
+
 
 
 def set_seed(seed: int) -> None:
@@ -74,59 +56,6 @@ def set_seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)  # seeds the CUDA generators too
-
-
-def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
-                strategy: str = "separate", margin: float = 1.2) -> tuple[torch.Tensor, dict]:
-    """The Step B loss: CE(F1) + CE(F2) on ``x_sup`` + discrepancy loss on ``x_unsup`` (nats).
-
-    Args:
-        model: any module whose ``forward`` returns ``(logits1, logits2)``.
-        x_sup: labeled batch ``(N_sup, C, H, W)``; y_sup: its labels ``(N_sup,)`` in ``[0, K)``.
-        x_unsup: unlabeled batch ``(N_unsup, C, H, W)``.
-        strategy: ``"separate"`` (two forwards) or ``"concat"`` (one forward, outputs split).
-        margin: the discrepancy loss's margin m, in nats.
-
-    Returns:
-        ``(loss, parts)``: the scalar loss, and detached parts ``ce`` (CE1 + CE2), ``dis``
-        (discrepancy loss) and ``gap`` (mean H(p1) - H(p2) on ``x_unsup``, nats).
-
-    Raises:
-        ValueError: on an unknown strategy, or (from the losses) bad shapes or labels.
-    """
-    if strategy == "separate":
-        logits1_sup, logits2_sup = model(x_sup)  # (N_sup, K) each
-        logits1_unsup, logits2_unsup = model(x_unsup)  # (N_unsup, K) each
-    elif strategy == "concat":
-        n_sup = x_sup.shape[0]
-        logits1, logits2 = model(torch.cat([x_sup, x_unsup]))  # (N_sup + N_unsup, K) each
-        logits1_sup, logits1_unsup = logits1[:n_sup], logits1[n_sup:]
-        logits2_sup, logits2_unsup = logits2[:n_sup], logits2[n_sup:]
-    else:
-        raise ValueError(f"strategy must be 'separate' or 'concat', got {strategy!r}.")
-    ce = supervised_loss(logits1_sup, logits2_sup, y_sup)
-    dis = discrepancy_loss(logits1_unsup, logits2_unsup, margin)
-    with torch.no_grad():
-        gap = (entropy(logits1_unsup) - entropy(logits2_unsup)).mean()
-    return ce + dis, {"ce": ce.detach(), "dis": dis.detach(), "gap": gap}
-
-
-def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor) -> torch.Tensor:
-    """Official Step A loss: CE(F1(G(x))) + CE(F2(G(x).detach())), nats; only CE(F1) reaches G.
-
-    Under DDP (``model`` a :class:`DistributedDataParallel` from
-    :func:`mcd_helpers.distributed.wrap_ddp`) the forward goes through the wrapper,
-    ``model(x, detach_f2=True)``: calling ``model.module``'s ``features``/``F1``/``F2`` directly
-    would bypass DDP's ``forward``, which arms the gradient all-reduce, and the ranks would drift
-    apart silently.
-
-    Shapes:
-        x_sup: ``(N, C, H, W)``; y_sup: ``(N,)`` -> scalar.
-    """
-    if isinstance(model, DistributedDataParallel):
-        return supervised_loss(*model(x_sup, detach_f2=True), y_sup)
-    feat = model.features(x_sup)  # (N, D)
-    return supervised_loss(model.F1(feat), model.F2(feat.detach()), y_sup)
 
 
 def step_a(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor,
@@ -159,6 +88,11 @@ def _sgd(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> t
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, weight_decay=weight_decay)
 
 
+def _batches(n: int, batch_size: int, seed: int, stream: int, device) -> Batches:
+    rank, world_size = world()
+    return Batches(n, batch_size, seed, stream, device, rank, world_size)
+
+
 def _due(cfg, global_step: int) -> bool:
     return cfg.checkpoint_every > 0 and global_step % cfg.checkpoint_every == 0
 
@@ -168,7 +102,7 @@ def _due(cfg, global_step: int) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: bool = True,
-             checkpoint: RollingCheckpoint | None = None, resume: bool = False) -> list[float]:
+             checkpoint: RollingCheckpoint | None = None, resume: bool = False, key: str = "") -> list[float]:
     """Pre-train both heads with CE(F1) + CE(F2) on labeled ID data, SGD with step decay.
 
     Args:
@@ -178,6 +112,8 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
             ``checkpoint_every`` and the fast-path fields).
         checkpoint: where to keep checkpoints (none when ``None``).
         resume: continue from ``checkpoint``'s last state when there is one.
+        key: the settings' hash (:func:`mcd_helpers.experiments.cache.cache_key`), stored in the
+            checkpoints; resuming with another key is refused.
 
     Returns:
         the mean training loss of each epoch (nats).
@@ -194,9 +130,8 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
     opt = _sgd(net, cfg.pretrain_lr, cfg.pretrain_momentum, cfg.pretrain_weight_decay)
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, list(cfg.pretrain_milestones), gamma=0.1)
     x, y = place(x, cfg), place(y, cfg)
-    # The order of the first version's loader: drained each epoch, through tqdm.auto (2 iterators).
-    batches = make_batches(len(x), cfg.pretrain_batch_size, cfg.seed, _PRETRAIN, x.device, iterators=2)
-    steps, key = batches.per_pass, stage_key(cfg.pretrain_key(), cfg.sync_bn)
+    batches = _batches(len(x), cfg.pretrain_batch_size, cfg.seed, PRETRAIN, x.device)
+    steps = batches.per_pass
     history, epoch_losses, start_epoch, start_step, pending = [], [], 0, 0, []
 
     # ---- resume: model, optimizer, scheduler, RNG states, position, losses so far ----
@@ -269,28 +204,42 @@ class FinetuneHistory:
 
 
 def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, cfg, strategy: str,
-             progress: bool = True, checkpoint: RollingCheckpoint | None = None,
-             resume: bool = False) -> FinetuneHistory:
-    """Fine-tune with MCD; keep the weights with the best validation AUROC (loaded into ``model``).
+             progress: bool = True, checkpoint: RollingCheckpoint | None = None, resume: bool = False,
+             key: str = "", on_epoch: Callable[[int, "FinetuneHistory"], None] | None = None) -> FinetuneHistory:
+    """Fine-tune with MCD for ``cfg.finetune_epochs`` epochs; select the model by ``cfg.selection``.
 
     Each iteration draws a labeled batch from ``(x_sup, y_sup)`` and an unlabeled batch from
     ``split.unlabeled()`` (its own endless stream of shuffled passes), then runs Step A
-    (``cfg.schedule == "official"``) and Step B with ``strategy``. An epoch is one pass over the
-    labeled set, capped at ``cfg.steps_per_epoch`` when > 0. After each epoch the discrepancy
-    score's AUROC on ``split.val_id_x`` vs ``split.val_ood_x`` selects the model.
+    (``cfg.schedule == "official"``) and Step B with ``strategy`` (:mod:`mcd_helpers.steps`).
+    One SGD optimizer runs through all epochs (its momentum carries over). An epoch is one pass
+    over the labeled set, capped at ``cfg.steps_per_epoch`` when > 0. Model selection
+    (``cfg.selection``): ``"ood-labels"`` (official) keeps the epoch with the best discrepancy-score
+    AUROC on ``split.val_id_x`` vs ``split.val_ood_x``, loaded into ``model`` at the end;
+    ``"last-epoch"`` keeps the last epoch and uses no OOD labels.
 
     Args:
-        checkpoint: where to keep checkpoints (none when ``None``); resume: continue from it.
+        model: a TwoHeadNet (with per-stream BatchNorm for ``"split-bn"``), trained in place.
+        x_sup: ``(N, C, H, W)`` labeled images; y_sup: ``(N,)`` labels.
+        split: has ``unlabeled()`` (a TensorDataset of ``(N_u, C, H, W)``), ``val_id_x``, ``val_ood_x``.
+        checkpoint: where to keep checkpoints (none when ``None``); resume: continue from it;
+        key: the settings' hash stored in the checkpoints;
+        on_epoch: called as ``on_epoch(epoch, history)`` after each epoch (e.g. a live plot).
+
+    Returns:
+        the :class:`FinetuneHistory`: per-step ``ce``, ``dis``, ``gap`` (nats), per-epoch
+        ``val_auroc`` (fraction; empty with ``"last-epoch"``), ``best_epoch``.
 
     Raises:
         NonFiniteLossError: when a loss becomes NaN or inf (names the step and the loss parts;
             the last good checkpoint is kept).
         TrainingInterrupted: after SIGTERM or SIGINT (only while ``checkpoint`` is given), once saved.
-        ValueError: on an unknown strategy; CheckpointMismatchError (a ValueError) on a checkpoint
-            written with other settings.
+        ValueError: on an unknown strategy or selection; CheckpointMismatchError (a ValueError)
+            on a checkpoint written with other settings.
     """
-    if strategy not in ("separate", "concat"):
-        raise ValueError(f"strategy must be 'separate' or 'concat', got {strategy!r}.")
+    check_strategy(strategy)
+    selection = getattr(cfg, "selection", "ood-labels")
+    if selection not in SELECTIONS:
+        raise ConfigError("selection", f"selection must be one of {', '.join(SELECTIONS)}; got {selection!r}.")
     device, official = torch.device(cfg.device), cfg.schedule == "official"
     net = prepare_model(model, cfg).train()
     model = wrap_ddp(net, cfg.device, cfg.sync_bn)  # ``net`` itself in one process; train through ``model``
@@ -298,12 +247,10 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
     opt = _sgd(net, cfg.finetune_lr, cfg.finetune_momentum, cfg.finetune_weight_decay)
     x_sup, y_sup = place(x_sup, cfg), place(y_sup, cfg)
     x_unsup = place(split.unlabeled().tensors[0], cfg)  # (N_unlabeled, C, H, W)
-    # An epoch may stop before the end of a labeled pass (not drained); unlabeled passes run out.
-    sup = make_batches(len(x_sup), cfg.batch_size_sup, cfg.seed, _SUP, x_sup.device, drained=False)
-    unsup = make_batches(len(x_unsup), cfg.batch_size_unsup, cfg.seed, _UNSUP, x_unsup.device, drained=True)
+    sup = _batches(len(x_sup), cfg.batch_size_sup, cfg.seed, LABELED, x_sup.device)
+    unsup = _batches(len(x_unsup), cfg.batch_size_unsup, cfg.seed, UNLABELED, x_unsup.device)
     steps = sup.per_pass if cfg.steps_per_epoch <= 0 else min(cfg.steps_per_epoch, sup.per_pass)
     names = ("ce", "dis", "gap") + (("step_a",) if official else ())
-    key = stage_key(cfg.training_key(), cfg.sync_bn)
     hist, best, best_auroc, start_epoch, start_step, pending = FinetuneHistory(), None, -math.inf, 0, 0, []
 
     # ---- resume: model, optimizer, RNG states, position, history, best weights so far ----
@@ -362,15 +309,20 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
                                                f"saved in {checkpoint.folder}. Resume to continue.")
             start_step = 0
             log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
-            # ---- model selection on the validation split ----
+            # ---- model selection: best validation AUROC (OOD labels), or the last epoch ----
             average_buffers(net)  # every rank scores with the ranks' mean BatchNorm statistics
-            scores = [discrepancy_score(*gather_scores(lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
-                      for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
-            val = ood_metrics(*scores)
-            hist.val_auroc.append(val["auroc"])
-            if val["auroc"] > best_auroc:
-                best_auroc, hist.best_epoch = val["auroc"], epoch
-                best = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            if selection == "ood-labels":
+                scores = [discrepancy_score(*gather_scores(
+                    lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
+                    for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
+                hist.val_auroc.append(ood_metrics(*scores)["auroc"])
+                if hist.val_auroc[-1] > best_auroc:
+                    best_auroc, hist.best_epoch = hist.val_auroc[-1], epoch
+                    best = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            else:
+                hist.best_epoch = epoch
+            if on_epoch is not None:
+                on_epoch(epoch, hist)
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
