@@ -2,14 +2,14 @@
 
 Run one case on 2 CPU processes (Gloo) and print every rank's result::
 
-    python -m mcd_helpers.ddp_demo parity find-unused    # launches torchrun itself
-    torchrun --standalone --nproc_per_node=2 -m mcd_helpers.ddp_demo parity --out DIR   # the same
+    python -m mcd_helpers.teaching.ddp_demo parity find-unused    # launches torchrun itself
+    torchrun --standalone --nproc_per_node=2 -m mcd_helpers.teaching.ddp_demo parity --out DIR   # the same
 
 Cases (each a function below, run on every rank; results are JSON-able dicts, one per rank):
 
 * ``parity``: one official MCD iteration (Step A, then Step B) in float64, under DDP with the
-  chosen settings (:func:`mcd_helpers.distributed.wrap_ddp`), against single-process steps on
-  the same global batches; per norm (``none``, ``batch``) and strategy.
+  chosen settings (:func:`mcd_helpers.training.distributed.wrap_ddp`), against single-process steps
+  on the same global batches; per norm (``none``, ``batch``) and strategy.
 * ``find-unused``: ``find_unused_parameters=True`` with Step B's two forwards, both using every
   parameter: runs, but DDP's C++ side prints a performance warning to stderr (kept under ``"stderr"``).
 * ``find-unused-split``: forward 1 through G and F1 only, forward 2 through G and F2 only, one
@@ -21,22 +21,30 @@ Cases (each a function below, run on every rank; results are JSON-able dicts, on
 * ``init-sync``: BatchNorm buffers that differ per rank, wrapped with ``broadcast_buffers=False``
   (deprecated) or ``forward_sync_buffers=False``: which one syncs them at construction.
 * ``sync-bn-cpu``: SyncBatchNorm in training on the CPU.
-* ``step-a-bypass``: Step A called on the inner module (``net.features``/``net.F1``), not
-  through DDP's ``forward``.
+* ``step-a-bypass``: Step A called on the inner module (``net.features``/``net.F1``/``net.F2``),
+  not through DDP's ``forward``; then Step A as the package runs it, ``model(x, detach_f2=True)``
+  through the wrapper.
 * ``chosen``: the chosen settings for several iterations with BatchNorm and both strategies; the
-  per-rank running statistics, then :func:`~mcd_helpers.distributed.average_buffers` against rank 0's copy.
+  per-rank running statistics, then :func:`~mcd_helpers.training.distributed.average_buffers` against
+  rank 0's copy (:func:`broadcast_buffers`).
 * ``buffers``: one train-mode forward per rank, then rank 0's BatchNorm statistics (broadcast)
   and the average over ranks, against one process forwarding the global batch.
 * ``no-sync``: gradient accumulation over 2 micro-batches with ``DDP.no_sync()`` on the first:
   all-reduces counted with a communication hook, parameters against the single-process step.
-* ``engine``: :func:`mcd_helpers.train.finetune` itself (2 epochs of the official schedule,
+* ``engine``: :func:`mcd_helpers.training.loop.finetune` itself (2 epochs of the official schedule,
   model selection included) under ``torchrun``, float64, no BatchNorm: the parameters to compare
   with the same call in one process (:func:`engine_setup`).
 
 A case that raises records ``{"error": type name, "message": ...}`` for that rank instead of
 crashing, so the pitfalls can be read back and asserted; DDP's Python warnings are kept under
-``"warnings"`` and the lines DDP's C++ side wrote to stderr during the case under ``"stderr"``. Collectives run with a 60 s timeout, so a
-rank whose partner died ends instead of hanging.
+``"warnings"`` and the lines DDP's C++ side wrote to stderr during the case under ``"stderr"``.
+Collectives run with a 60 s timeout, so a rank whose partner died ends instead of hanging.
+
+Every training forward goes through ``DDP(net)`` itself: Step A is ``model(x, detach_f2=True)``
+(:meth:`mcd_helpers.models.TwoHeadNet.forward`), Step B two plain forwards (or one, ``concat``).
+Two helpers exist for teaching only (the training engine needs neither): :func:`all_ranks_equal`
+(how far the replicas drifted apart) and :func:`broadcast_buffers` (rank 0's BatchNorm statistics
+everywhere, the alternative that :func:`~mcd_helpers.training.distributed.average_buffers` beats).
 """
 from __future__ import annotations
 
@@ -57,14 +65,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ..training.distributed import (TwoForwardModes, all_ranks_equal, average_buffers, barrier, broadcast_buffers, cleanup,
-                          init_distributed, wrap_ddp)
-from ..losses import discrepancy_loss, supervised_loss
+from ..losses import supervised_loss
 from ..models import small_cnn
-from ..training.loop import step_b_loss
+from ..steps import step_a_loss, step_b_loss
+from ..training.distributed import average_buffers, barrier, cleanup, init_distributed, wrap_ddp
+from ..training.distributed import world as _world
 
 __all__ = ["CASES", "QUICK_FLAGS", "launch", "launch_reproduction", "tiny_model", "global_batches", "engine_setup",
-           "engine_gap", "code_tag", "omp_threads", "OneHead", "shard", "no_sync_reference"]
+           "engine_gap", "omp_threads", "OneHead", "shard", "no_sync_reference", "all_ranks_equal",
+           "broadcast_buffers"]
 
 B, K, HW = 4, 3, 8  # per-rank batch, classes, image side: seconds per case on a CPU
 MARGIN, LR = 1.2, 0.1
@@ -94,6 +103,37 @@ def shard(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return t[rank * B:(rank + 1) * B]
 
 
+def all_ranks_equal(net: nn.Module) -> float:
+    """Largest ``|p_rank - p_rank0|`` over every parameter and rank (0.0 in a single process).
+
+    How far DDP let the replicas drift apart: 0.0 when every update was all-reduced. A collective:
+    call it on every rank; every rank gets the same number.
+    """
+    if _world()[1] == 1:
+        return 0.0
+    flat = torch.cat([p.detach().reshape(-1).cpu().double() for p in net.parameters()])
+    ref = flat.clone()
+    dist.broadcast(ref, src=0)
+    diff = (flat - ref).abs().max()
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return float(diff)
+
+
+def broadcast_buffers(net: nn.Module) -> None:
+    """Copy rank 0's buffers (BatchNorm running statistics) into every rank, in place.
+
+    What ``DDP(..., forward_sync_buffers=True)`` does before every forward: every rank then holds
+    statistics computed from rank 0's shards only, the other ranks' data dropped. Shown in cases
+    ``chosen`` and ``buffers`` against :func:`~mcd_helpers.training.distributed.average_buffers`,
+    which the engine uses. A collective; no-op in a single process.
+    """
+    if _world()[1] == 1:
+        return
+    with torch.no_grad():
+        for buf in net.buffers():
+            dist.broadcast(buf, src=0)
+
+
 class OneHead(nn.Module):
     """A :class:`~mcd_helpers.models.TwoHeadNet` whose forward uses G and *one* head: ``forward(x, head)``.
 
@@ -113,15 +153,16 @@ def _sgd(model: nn.Module) -> torch.optim.SGD:
     return torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=1e-4)
 
 
-def _iteration(model: nn.Module, opt, shards, strategy: str, step_a_forward) -> None:
+def _iteration(model: nn.Module, opt, shards, strategy: str) -> None:
     """One official iteration on ``shards`` (a list of ``(x_sup, y_sup, x_unsup)``), mean of shard losses.
 
-    ``step_a_forward(x)`` returns Step A's ``(logits1, logits2)``. One shard = what a DDP rank does;
-    several shards = the single-process mean of the per-rank losses (what DDP's averaged
-    gradient equals).
+    Step A is :func:`mcd_helpers.steps.step_a_loss` (``model(x, detach_f2=True)``), Step B
+    :func:`~mcd_helpers.steps.step_b_loss`: the package's own losses, on ``model`` (a DDP wrapper
+    or a plain net). One shard = what a DDP rank does; several shards = the single-process mean of
+    the per-rank losses (what DDP's averaged gradient equals).
     """
     opt.zero_grad(set_to_none=True)
-    loss_a = sum(supervised_loss(*step_a_forward(xs), ys) for xs, ys, _ in shards) / len(shards)
+    loss_a = sum(step_a_loss(model, xs, ys) for xs, ys, _ in shards) / len(shards)
     loss_a.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -149,14 +190,11 @@ def case_parity(rank: int, world: int) -> dict:
             net = tiny_model(norm)
             ref_global, ref_shards = copy.deepcopy(net), copy.deepcopy(net)
             ddp = wrap_ddp(net, "cpu")
-            _iteration(ddp, _sgd(ddp), [shards[rank]], strategy, lambda x: ddp(x, detach_f2=True))
+            _iteration(ddp, _sgd(ddp), [shards[rank]], strategy)
             # single process, the global batch in one piece (what "the same global batches" means)
-            fwd = TwoForwardModes(ref_global)
-            _iteration(ref_global, _sgd(ref_global), [(xs_all, ys_all, xu_all)], strategy,
-                       lambda x: fwd(x, detach_f2=True))
+            _iteration(ref_global, _sgd(ref_global), [(xs_all, ys_all, xu_all)], strategy)
             # single process, the mean of the per-rank losses, each shard forwarded on its own
-            fwd_s = TwoForwardModes(ref_shards)
-            _iteration(ref_shards, _sgd(ref_shards), shards, strategy, lambda x: fwd_s(x, detach_f2=True))
+            _iteration(ref_shards, _sgd(ref_shards), shards, strategy)
             out[f"{norm}/{strategy}"] = {
                 "ddp_vs_global": _max_diff(net, ref_global),
                 "ddp_vs_per_shard": _max_diff(net, ref_shards),
@@ -179,7 +217,7 @@ def _separate_steps(ddp: nn.Module, steps: int, strategy: str = "separate") -> N
 def case_find_unused(rank: int, world: int) -> dict:
     """``find_unused_parameters=True`` with Step B's two forwards, three iterations."""
     net = tiny_model("none")
-    ddp = DDP(TwoForwardModes(net), find_unused_parameters=True, forward_sync_buffers=False)
+    ddp = DDP(net, find_unused_parameters=True, forward_sync_buffers=False)
     _separate_steps(ddp, 3)
     return {"ok": True, "replicas": all_ranks_equal(net)}
 
@@ -187,7 +225,7 @@ def case_find_unused(rank: int, world: int) -> dict:
 def case_broadcast_buffers(rank: int, world: int) -> dict:
     """``forward_sync_buffers=True`` (DDP's default) with train-mode BatchNorm and two forwards."""
     net = tiny_model("batch")
-    ddp = DDP(TwoForwardModes(net), find_unused_parameters=False, forward_sync_buffers=True)
+    ddp = DDP(net, find_unused_parameters=False, forward_sync_buffers=True)
     _separate_steps(ddp, 2)
     return {"ok": True, "replicas": all_ranks_equal(net)}
 
@@ -203,7 +241,7 @@ def case_init_sync(rank: int, world: int) -> dict:
             net.G[1].running_mean.fill_(float(rank))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            DDP(TwoForwardModes(net), find_unused_parameters=False, **{flag: False})
+            DDP(net, find_unused_parameters=False, **{flag: False})
         out[flag] = {"running_mean": net.G[1].running_mean.tolist(),
                      "future_warnings": [str(w.message)[:120] for w in caught if issubclass(w.category, FutureWarning)]}
     return out
@@ -217,20 +255,36 @@ def case_sync_bn_cpu(rank: int, world: int) -> dict:
 
 
 def case_step_a_bypass(rank: int, world: int) -> dict:
-    """Step A on the inner module under DDP: its gradients are never all-reduced."""
+    """Step A on the inner module under DDP, then through the wrapper; and Step A through it from the start.
+
+    ``after_bypass``: the replicas' spread after Step A computed as ``net.F1(net.features(x))``,
+    ``net.F2(...detach())``: DDP's ``forward`` never ran, its gradients are never all-reduced.
+    ``after_wrapped``: after one more Step A through the wrapper, ``ddp(x, detach_f2=True)``
+    (:func:`mcd_helpers.steps.step_a_loss`): the drift stays, DDP never re-syncs parameters.
+    ``wrapped_only``: a fresh network that ran Step A through the wrapper twice: no drift.
+    """
+    xs, ys, _ = (shard(t, rank, world) for t in global_batches(world))
     net = tiny_model("none")
     ddp = wrap_ddp(net, "cpu")
-    xs, ys, _ = global_batches(world)
-    xs, ys = xs[rank * B:(rank + 1) * B], ys[rank * B:(rank + 1) * B]
     opt = _sgd(ddp)
     feat = net.features(xs)  # bypasses DDP.forward
     supervised_loss(net.F1(feat), net.F2(feat.detach()), ys).backward()
     opt.step()
     bypass = all_ranks_equal(net)
     opt.zero_grad(set_to_none=True)
-    supervised_loss(*ddp(xs, detach_f2=True), ys).backward()  # through DDP: the update is shared
+    step_a_loss(ddp, xs, ys).backward()  # ddp(xs, detach_f2=True): through DDP, the update is shared
     opt.step()
-    return {"after_bypass": bypass, "after_wrapped": all_ranks_equal(net)}
+    after = all_ranks_equal(net)
+    net2 = tiny_model("none")
+    ddp2 = wrap_ddp(net2, "cpu")
+    opt2 = _sgd(ddp2)
+    for _ in range(2):
+        opt2.zero_grad(set_to_none=True)
+        step_a_loss(ddp2, xs, ys).backward()
+        opt2.step()
+    moved = max(float((p - q).abs().max()) for p, q in zip(net2.parameters(), tiny_model("none").parameters()))
+    return {"after_bypass": bypass, "after_wrapped": after, "wrapped_only": all_ranks_equal(net2),
+            "wrapped_only_moved": moved}
 
 
 def case_chosen(rank: int, world: int) -> dict:
@@ -243,7 +297,7 @@ def case_chosen(rank: int, world: int) -> dict:
         ddp = wrap_ddp(net, "cpu")
         opt = _sgd(ddp)
         for _ in range(3):
-            _iteration(ddp, opt, [shard], strategy, lambda x: ddp(x, detach_f2=True))
+            _iteration(ddp, opt, [shard], strategy)
         mean = net.G[1].running_mean.clone()
         others = [torch.empty_like(mean) for _ in range(world)]
         dist.all_gather(others, mean)
@@ -382,7 +436,7 @@ def engine_setup():
 
 
 def case_engine(rank: int, world: int) -> dict:
-    """``train.finetune`` under DDP (no BatchNorm, float64), both strategies: parameters and history."""
+    """``training.loop.finetune`` under DDP (no BatchNorm, float64), both strategies: parameters and history."""
     from ..training.loop import finetune
 
     x_sup, y_sup, split, cfg = engine_setup()
@@ -397,7 +451,7 @@ def case_engine(rank: int, world: int) -> dict:
 
 def engine_gap(rank_result: dict, strategy: str) -> float:
     """Largest ``|parameter|`` difference between case ``engine``'s DDP result for ``strategy`` and the
-    same :func:`mcd_helpers.train.finetune` call run here, in one process (float64)."""
+    same :func:`mcd_helpers.training.loop.finetune` call run here, in one process (float64)."""
     from ..training.loop import finetune
 
     x_sup, y_sup, split, cfg = engine_setup()
@@ -405,25 +459,6 @@ def engine_gap(rank_result: dict, strategy: str) -> float:
     finetune(net, x_sup, y_sup, split, cfg, strategy, progress=False)
     return max(float((torch.tensor(rank_result[strategy]["params"][k], dtype=torch.float64) - v.reshape(-1)).abs().max())
                for k, v in net.state_dict().items())
-
-
-def code_tag(*parts: str) -> str:
-    """A short hash of ``parts``, of ``torch.__version__`` and of the source of the modules that
-    compute this module's results.
-
-    Notebook 06 names its cached results with it, so they are recomputed when the code or the
-    installed torch changes (DDP's behaviour and float results depend on both). Pass anything else
-    the results depend on in ``parts``: the reproduction passes its flags and
-    ``OMP_NUM_THREADS=`` + :func:`omp_threads` (the thread count changes a small run's numbers).
-    """
-    import hashlib
-
-    here = Path(__file__).resolve().parents[1]
-    blob = "\0".join((*parts, f"torch={torch.__version__}")).encode() + b"".join(
-        (here / f"{m}.py").read_bytes() for m in ("teaching/ddp_demo", "training/distributed", "training/loop",
-                                                  "training/engine", "experiments/run", "losses", "models",
-                                                  "experiments/config", "experiments/presets", "data/sets"))
-    return hashlib.sha1(blob).hexdigest()[:10]
 
 
 CASES = {"parity": case_parity, "find-unused": case_find_unused, "broadcast-buffers": case_broadcast_buffers,
@@ -455,7 +490,6 @@ def _stderr_lines():
 
 def _run_rank(cases: list[str], out: Path) -> None:
     env, _ = init_distributed("cpu", timeout_s=60)
-    torch.set_num_threads(1)
     results = {}
     for case in cases:
         with warnings.catch_warnings(record=True) as caught, _stderr_lines() as stderr:
@@ -479,7 +513,8 @@ def launch(cases, nprocs: int = 2, timeout_s: float = 300) -> dict[str, list[dic
 
     Returns ``{case: [rank 0's dict, rank 1's dict, ...]}``. The cases run one after another in
     the same process group (starting torchrun costs seconds); a case that raises on every rank
-    before any collective leaves the group usable for the next one.
+    before any collective leaves the group usable for the next one. Every rank gets the caller's
+    ``OMP_NUM_THREADS`` (:func:`omp_threads`): the exact (float64) results hold for any thread count.
 
     Raises:
         ValueError: on an unknown case.
@@ -492,7 +527,7 @@ def launch(cases, nprocs: int = 2, timeout_s: float = 300) -> dict[str, list[dic
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
                "-m", "mcd_helpers.teaching.ddp_demo", *cases, "--out", tmp]
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        env = {**os.environ, "OMP_NUM_THREADS": omp_threads(), "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
         files = [Path(tmp) / f"rank{r}.json" for r in range(nprocs)]
         if not all(f.exists() for f in files):
@@ -509,8 +544,8 @@ QUICK_FLAGS = ["--preset", "quick", "--ood-sets", "gaussian", "--strategies", "s
 
 
 def omp_threads() -> str:
-    """The caller's ``OMP_NUM_THREADS`` (``"1"`` when unset or empty): what :func:`launch_reproduction`
-    passes to every rank, and part of notebook 06's cache tag for the reproduction."""
+    """The caller's ``OMP_NUM_THREADS`` (``"1"`` when unset or empty): what :func:`launch` and
+    :func:`launch_reproduction` pass to every rank."""
     return os.environ.get("OMP_NUM_THREADS") or "1"
 
 
@@ -520,10 +555,12 @@ def launch_reproduction(out: Path, flags: list[str], nprocs: int = 2, timeout_s:
     ``nprocs > 1``: under ``torchrun --standalone --nproc_per_node=nprocs`` (Gloo on the CPU);
     ``nprocs == 1``: a plain process. Every rank gets the caller's ``OMP_NUM_THREADS`` (``1`` when
     it is unset), never a value derived from the machine's core count: the thread count changes the
-    order of float reductions and so the trajectory of a small run (measured on the quick flags,
-    seed 0, 2 ranks: MCD ``separate`` AUROC 99.92% with 1 thread per rank, 90.83% with 2), so the
-    same call must give the same numbers on every machine. Set ``OMP_NUM_THREADS`` before calling
-    to choose another thread count.
+    order of float reductions and so the trajectory of a small run (measured on :data:`QUICK_FLAGS`,
+    seed 0, 2 ranks: the pre-trained network's MSP AUROC 15.6% with 1 thread per rank, 16.1% with 2),
+    so the same call must give the same numbers on every machine. Set ``OMP_NUM_THREADS`` before
+    calling to choose another thread count. The stages go through the pipeline's cache
+    (:mod:`mcd_helpers.experiments.cache`, keyed with the world size, not the thread count): put
+    ``--retrain`` in ``flags`` to train again.
 
     Raises:
         RuntimeError: when the command exits non-zero (the tail of its output attached).
