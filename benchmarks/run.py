@@ -52,7 +52,8 @@ from mcd_helpers.training.checkpoint import RollingCheckpoint  # noqa: E402
 from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
 from mcd_helpers.data.sets import TransductiveSplit  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.training.loop import compile_model, finetune  # noqa: E402
+from mcd_helpers.training.engine import compile_model  # noqa: E402
+from mcd_helpers.training.loop import finetune  # noqa: E402
 
 SHAPES = {"small_cnn": (1, 28, 28), "densenet_bc_100": (3, 32, 32)}
 VARIANTS = {  # fast-path options per variant (config fields)

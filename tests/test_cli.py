@@ -42,7 +42,7 @@ def test_flags_override_the_preset_and_parse_their_types():
 def test_resume_and_fresh_exclude_each_other(capsys, tmp_path, monkeypatch):
     import mcd_helpers.experiments.run as reproduce
 
-    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded although the flags conflict"))
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.load_id", lambda *a, **k: pytest.fail("data loaded although the flags conflict"))
     args = build_parser().parse_args(["reproduce", "--out", "x", "--resume"])
     assert (args.resume, args.fresh, args.retrain) == (True, False, False)
     assert main(["reproduce", "--out", str(tmp_path / "o"), "--resume", "--fresh"]) == 2
@@ -95,7 +95,7 @@ def test_spaces_after_commas_in_list_flags_are_ignored():
 def test_cuda_without_a_gpu_is_an_error_before_loading_data(capsys, tmp_path, monkeypatch):
     import mcd_helpers.experiments.run as reproduce
 
-    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
     assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
     assert "no CUDA GPU" in capsys.readouterr().err
 
@@ -103,6 +103,6 @@ def test_cuda_without_a_gpu_is_an_error_before_loading_data(capsys, tmp_path, mo
 def test_an_unknown_ood_set_is_refused_before_any_work(capsys, tmp_path, monkeypatch):
     import mcd_helpers.experiments.run as reproduce
 
-    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the check"))
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.load_id", lambda *a, **k: pytest.fail("data loaded before the check"))
     assert main(["reproduce", "--preset", "quick", "--out", str(tmp_path / "o"), "--ood-sets", "digits, foo"]) == 2
     assert "unknown OOD set(s) ['foo']" in capsys.readouterr().err

@@ -4,7 +4,7 @@ file and the fix, and nothing already done is lost.
 
 Runs use a stand-in Fashion-MNIST (random IDX files written here, 300 training and 400 test images) in
 a fresh $MCD_DATA_DIR, so no test depends on the real data, the network or the suite's cache.
-``reproduce.pretrain`` is replaced by a function that fails the test where a check must come first.
+``pipeline.pretrain`` is replaced by a function that fails the test where a check must come first.
 """
 import gzip
 import json
@@ -50,7 +50,7 @@ def data_dir(tmp_path, monkeypatch):
 
 
 def _no_training(monkeypatch):
-    monkeypatch.setattr(reproduce, "pretrain", lambda *a, **k: pytest.fail("training started before the check"))
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.pretrain", lambda *a, **k: pytest.fail("training started before the check"))
 
 
 # ---- finding 7: every setting that can be checked is checked before training, naming the flag ----
@@ -74,7 +74,7 @@ def test_settings_are_checked_before_training_with_the_flag_named(flags, message
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the error on a machine without an Apple GPU")
 def test_an_unavailable_device_is_refused_before_loading_data(tmp_path, monkeypatch, capsys):
     # Finding 8: --device mps was accepted and failed with a raw error on the first tensor moved there.
-    monkeypatch.setattr(reproduce, "load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.load_id", lambda *a, **k: pytest.fail("data loaded before the device check"))
     assert main(["reproduce", "--out", str(tmp_path / "out"), *TINY, "--device", "mps"]) == 2
     assert "--device: device='mps' but PyTorch sees no Apple-silicon GPU here" in capsys.readouterr().err
 
@@ -94,18 +94,19 @@ def test_an_unavailable_ood_set_is_found_before_training(data_dir, tmp_path, mon
 
 def test_rows_are_kept_when_a_later_ood_set_fails(data_dir, tmp_path, monkeypatch, capsys):
     # Finding 7: a late failure of one OOD set lost the rows of those finished before it.
-    load_ood = reproduce.load_ood
+    from mcd_helpers.experiments import pipeline
+    load_ood = pipeline.load_ood
 
     def failing(name, *args, **kwargs):
         if name == "uniform":
             raise RuntimeError("simulated failure while loading uniform")
         return load_ood(name, *args, **kwargs)
-    monkeypatch.setattr(reproduce, "load_ood", failing)
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.load_ood", failing)
     out = tmp_path / "out"
     assert main(["reproduce", "--out", str(out), *TINY, "--ood-sets", "gaussian,uniform"]) == 1
     assert "1 of 2 OOD sets failed: uniform: RuntimeError: simulated failure" in capsys.readouterr().err
     rows = json.loads((out / "results.json").read_text())
-    assert [(r["ood_dataset"], r["method"]) for r in rows] == [("gaussian", "msp"), ("gaussian", "mcd")]
+    assert [(r["ood_dataset"], r["method"]) for r in rows] == [("gaussian", m) for m in ("msp", "odin", "energy", "mcd")]
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "partial" and "simulated failure" in run["failures"]["uniform"]
     assert "uniform: RuntimeError: simulated failure" in (out / "results.md").read_text()
@@ -123,7 +124,7 @@ def test_config_json_always_describes_the_results(data_dir, tmp_path, monkeypatc
     def diverged(*args, **kwargs):
         from mcd_helpers.training.engine import NonFiniteLossError
         raise NonFiniteLossError("simulated divergence")
-    monkeypatch.setattr(reproduce, "pretrain", diverged)
+    monkeypatch.setattr("mcd_helpers.experiments.pipeline.pretrain", diverged)
     assert main(["reproduce", "--out", str(out), *TINY, "--seed", "7"]) == 1
     config, rows = json.loads((out / "config.json").read_text()), json.loads((out / "results.json").read_text())
     assert config["seed"] == 0 and {r["seed"] for r in rows} == {0}
@@ -178,7 +179,7 @@ def test_a_read_only_data_folder_falls_back_to_a_writable_cache(data_dir, tmp_pa
     assert main(["reproduce", "--out", str(out), *TINY[:2], *TINY[3:]]) == 0  # not --quiet: the note is printed
     printed = capsys.readouterr().out
     assert f"the data folder {data_dir} is read-only" in printed and str(tmp_path / "fallback-cache") in printed
-    assert list((tmp_path / "fallback-cache" / "checkpoints").glob("pretrain-*.pt"))  # the cache went there
+    assert list((tmp_path / "fallback-cache" / "cache").glob("pretrain-*.pt"))  # the cache went there
     assert not (data_dir / "checkpoints").exists()
 
 
@@ -213,13 +214,13 @@ def test_out_naming_an_existing_file(data_dir, tmp_path, monkeypatch, capsys):
 def test_a_cached_network_of_another_architecture_says_retrain(data_dir, tmp_path, monkeypatch, capsys):
     from mcd_helpers.training.checkpoint import save_checkpoint
     from mcd_helpers.experiments.config import MCDConfig
-    from mcd_helpers.training.distributed import stage_key
+    from mcd_helpers.experiments.cache import cache_key
     from mcd_helpers.models import small_cnn
     from mcd_helpers.__main__ import build_parser, config_from_args
 
     cfg = config_from_args(build_parser().parse_args(["reproduce", "--out", "x", *TINY]))
     assert isinstance(cfg, MCDConfig)
-    path = data_dir / "checkpoints" / f"pretrain-small_cnn-{stage_key(cfg.pretrain_key(), cfg.sync_bn)}.pt"
+    path = data_dir / "cache" / f"pretrain-{cache_key(cfg, 'pretrain')}.pt"
     save_checkpoint(path, {"model": small_cnn(width=8).state_dict()})  # another width under the same name
     out = tmp_path / "out"
     assert main(["reproduce", "--out", str(out), *TINY]) == 1

@@ -211,7 +211,7 @@ def test_nested_outputs_name_the_bad_element():
 
 
 def test_per_source_model_counts_updates_over_its_sources():
-    from mcd_helpers.teaching.norms import per_source_batchnorm
+    from mcd_helpers.norms import per_source_batchnorm
     model = per_source_batchnorm(mlp("batch")).train()
     c = compare_forwards(model, batches(4, 4, 4), weighted_loss)
     assert c.tracked_increments == (1, 3) and not c.same

@@ -7,7 +7,9 @@ import torch
 matplotlib.use("Agg")
 
 import mcd_helpers.teaching.live as live
+from mcd_helpers.data.sets import DEBIAN_FMNIST_DIR
 from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.metrics import ood_metrics
 from mcd_helpers.training.loop import FinetuneHistory
 
 
@@ -61,26 +63,37 @@ def test_plot_extremes_picks_highest_and_lowest_scores():
         live.plot_extremes(x_id, x_ood, s_id[:4], s_ood, 0.0, 1.0)
 
 
+def test_live_plot_is_run_ood_sets_callback_too(monkeypatch):
+    import IPython.display
+    drawn = []
+    monkeypatch.setattr(IPython.display, "display", lambda fig, display_id=False: drawn.append(fig) or None)
+    plot = live.LivePlot(margin=1.2, title="t")
+    plot.for_strategy("concat", 0, _hist())  # run_ood_set calls on_epoch(strategy, epoch, history)
+    assert plot.updates == 1 and "epoch 1, best so far 2" in drawn[0]._suptitle.get_text()
+
+
 def test_rerun_widget_passes_the_controls_values(monkeypatch):
     calls = []
     monkeypatch.setattr(live, "rerun", lambda *args: calls.append(args) or "result")
     cfg = MCDConfig(finetune_epochs=2, margin=1.2)
-    box, c = live.rerun_widget("base", "x", "y", "xt", "yt", cfg, ("digits", "gaussian"))
-    assert (c["margin"].value, c["ood"].value, c["epochs"].value) == (1.2, "digits", 2)
-    c["margin"].value, c["ood"].value, c["strategy"].value, c["epochs"].value = 0.5, "gaussian", "concat", 3
+    box, c = live.rerun_widget(cfg, "data", ("digits", "gaussian"))
+    assert (c["margin"].value, c["ood"].value, c["epochs"].value, c["retrain"].value) == (1.2, "digits", 2, False)
+    assert c["strategy"].options == ("separate", "concat", "split-bn", "recalibrate")
+    c["margin"].value, c["ood"].value, c["strategy"].value, c["epochs"].value = 0.5, "gaussian", "split-bn", 3
+    c["retrain"].value = True
     c["button"].click()
-    assert calls == [("base", "x", "y", "xt", "yt", cfg, "gaussian", "concat", 0.5, 3)]
+    assert calls == [(cfg, "data", "gaussian", "split-bn", 0.5, 3, True)]
     assert c["last"] == "result"
 
 
-def test_rerun_fine_tunes_with_the_new_settings_and_shows_the_plots(monkeypatch):
+@pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
+def test_rerun_fine_tunes_through_the_pipeline_and_loads_a_setting_run_before(monkeypatch, tmp_data_dir):
     import IPython.display
 
-    import mcd_helpers.experiments.pipeline as ex
-    from test_experiments import _tiny
+    import mcd_helpers.experiments.pipeline as pipeline
+    from mcd_helpers.experiments.pipeline import load_data
+    from test_pipeline import TINY
 
-    model, x_sup, y_sup, split, cfg = _tiny()
-    monkeypatch.setattr(ex, "ood_split", lambda cfg, ood, x, y: split)
     shown, updated = [], []
 
     class Handle:
@@ -88,9 +101,26 @@ def test_rerun_fine_tunes_with_the_new_settings_and_shows_the_plots(monkeypatch)
             updated.append(fig)
 
     monkeypatch.setattr(IPython.display, "display", lambda fig, display_id=False: shown.append(fig) or Handle())
-    comp = live.rerun(model, x_sup, y_sup, None, None, cfg, "noise", "concat", margin=0.3, epochs=2)
-    assert comp.ood == "noise" and comp.rows[-1]["strategy"] == "concat"
-    assert len(comp.history.val_auroc) == 2 and len(comp.history.ce) == 2 * cfg.steps_per_epoch
+    trained = []
+    real = pipeline.finetune
+    monkeypatch.setattr(pipeline, "finetune", lambda *a, **k: trained.append(1) or real(*a, **k))
+    data = load_data(TINY)
+    r = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=2)
+    assert (r.ood, r.strategy, r.cfg.margin, r.cfg.finetune_epochs, trained) == ("gaussian", "concat", 0.3, 2, [1])
+    assert r.rows[-1]["strategy"] == "concat" and [x["method"] for x in r.rows] == ["msp", "odin", "energy", "mcd"]
+    assert len(r.history.val_auroc) == 2 and len(r.history.ce) == 2 * TINY.steps_per_epoch
     # the live plot (shown once, then updated in place), the histograms and the ROC curves
     assert len(shown) == 3 and len(updated) == 1
     assert shown[0].axes[1].lines[1].get_ydata()[0] == 0.3  # the margin line
+    titles = [ax.get_title().splitlines() for ax in shown[1].axes]
+    assert [t[0] for t in titles] == ["MCD before fine-tuning", "MCD after"]
+    assert titles[1][1] == f"AUROC {100 * r.rows[-1]['auroc']:.2f}%"  # the after panel: the MCD row's scores
+    assert titles[0][1] == f"AUROC {100 * ood_metrics(*r.before)['auroc']:.2f}%" != titles[1][1]
+    # the same setting again: loaded from the cache, its epochs replayed into a new live plot
+    again = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=2)
+    assert trained == [1] and len(shown) == 6 and len(updated) == 2
+    assert again.rows == r.rows and again.history == r.history
+    # another margin, or retrain: trained
+    live.rerun(TINY, data, "gaussian", "concat", margin=0.4, epochs=2, show=False)
+    live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=2, retrain=True, show=False)
+    assert trained == [1, 1, 1] and len(shown) == 6

@@ -4,7 +4,7 @@ import torch
 from torch import nn
 
 from mcd_helpers import compare_forwards
-from mcd_helpers.teaching.norms import (PerSourceBatchNorm, freeze_bn, per_source_batchnorm, recalibrate_bn,
+from mcd_helpers.norms import (PerSourceBatchNorm, freeze_bn, per_source_batchnorm, recalibrate_bn,
                                use_source)
 
 

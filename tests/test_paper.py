@@ -223,11 +223,14 @@ def test_paper_presets_follow_the_reference(name):
 
 
 def test_step_b_presets_follow_the_blog():
+    from mcd_helpers.experiments.cache import cache_key
+
     for name, base in (("quick-step-b", "quick"), ("unofficial-cifar10-densenet", "paper-cifar10-densenet")):
         cfg = get_preset(name)
         assert (cfg.schedule, cfg.finetune_lr, cfg.finetune_weight_decay) == ("step_b", 0.001, 5e-4)
         assert cfg.batch_size_sup == cfg.batch_size_unsup == 64
-        assert cfg.pretrain_key() == get_preset(base).pretrain_key()  # same pre-trained network
+        assert cache_key(cfg, "pretrain") == cache_key(get_preset(base), "pretrain")  # same pre-trained network
+        assert cache_key(cfg, "finetune") != cache_key(get_preset(base), "finetune")
 
 
 def test_presets_are_overridable_and_listed(capsys):

@@ -3,14 +3,12 @@
 Tiny settings: ``small_cnn`` on 12x12 random images, 5 fine-tuning steps per epoch.
 """
 import dataclasses
-import itertools
 import signal
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import mcd_helpers.training.loop as train
 from signal_on_call import signal_on_call
@@ -18,8 +16,10 @@ from mcd_helpers.training.checkpoint import RollingCheckpoint
 from mcd_helpers.experiments.config import MCDConfig
 from mcd_helpers.data.sets import transductive_split
 from mcd_helpers.models import TwoHeadNet, small_cnn
-from mcd_helpers.training.loop import (CheckpointMismatchError, NonFiniteLossError, ShuffledBatches, TrainingInterrupted,
-                               compile_model, finetune, pretrain, step_a_loss)
+from mcd_helpers.errors import CheckpointMismatchError, NonFiniteLossError, TrainingInterrupted
+from mcd_helpers.steps import step_a_loss
+from mcd_helpers.training.engine import compile_model
+from mcd_helpers.training.loop import finetune, pretrain
 
 
 def _cfg(**overrides) -> MCDConfig:
@@ -52,51 +52,6 @@ def _assert_same_state(a: nn.Module, b: nn.Module) -> None:
     assert sa.keys() == sb.keys()
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
-
-
-# ---- data order ----
-
-def test_each_pass_is_a_permutation_and_passes_differ():
-    b = ShuffledBatches(20, 6, seed=0)
-    assert b.per_pass == 3  # 20 // 6; the last 2 samples of each pass are dropped
-    for p in (0, 1):
-        seen = torch.cat([b.batch(p, i) for i in range(3)])
-        assert len(seen) == 18 and len(set(seen.tolist())) == 18 and seen.max() < 20
-        assert sorted(b.permutation(p).tolist()) == list(range(20))
-    assert not torch.equal(b.permutation(0), b.permutation(1))
-
-
-def test_batches_are_a_function_of_seed_stream_and_pass_alone():
-    a, b = ShuffledBatches(50, 8, seed=3, stream=1), ShuffledBatches(50, 8, seed=3, stream=1)
-    b.batch(4, 0)  # b visits another pass first: no hidden state may leak
-    assert torch.equal(a.batch(1, 2), b.batch(1, 2))
-    assert torch.equal(a.batch_at(6 + 2), a.batch(1, 2))  # 6 batches per pass
-    assert not torch.equal(a.permutation(0), ShuffledBatches(50, 8, seed=3, stream=2).permutation(0))
-    assert not torch.equal(a.permutation(0), ShuffledBatches(50, 8, seed=4, stream=1).permutation(0))
-
-
-@pytest.mark.parametrize("drained, iterators", [(True, 1), (False, 1), (True, 2)])
-def test_batches_follow_a_seeded_dataloader(drained, iterators):
-    # The reference: the loaders of the first version (shuffle, drop_last, a seeded generator),
-    # iterated to the end ("drained") or for 2 batches, with an extra iterator made and dropped.
-    n, bs, seed, stream = 23, 5, 7, 2
-    loader = DataLoader(TensorDataset(torch.arange(n)), batch_size=bs, shuffle=True, drop_last=True,
-                        generator=torch.Generator().manual_seed(seed + stream))
-    batches = ShuffledBatches(n, bs, seed, stream, drained=drained, iterators=iterators)
-    for p in range(3):
-        for _ in range(iterators - 1):
-            iter(loader)
-        want = [t for (t,) in (loader if drained else itertools.islice(loader, 2))]
-        assert len(want) == (4 if drained else 2)
-        for i, t in enumerate(want):
-            assert torch.equal(batches.batch(p, i), t), (p, i)
-
-
-def test_batches_reject_bad_sizes():
-    with pytest.raises(ValueError, match="between 1 and the data set's size 5"):
-        ShuffledBatches(5, 8, seed=0)
-    with pytest.raises(IndexError):
-        ShuffledBatches(10, 5, seed=0).batch(0, 2)
 
 
 # ---- Step A ----
@@ -164,16 +119,21 @@ def test_finetuning_resumed_after_sigterm_equals_an_uninterrupted_run(tmp_path, 
 
 
 def test_resume_refuses_a_checkpoint_of_other_settings(tmp_path):
+    from mcd_helpers.experiments.cache import cache_key
+
     x, y, split = _data()
     ckpt = RollingCheckpoint(tmp_path / "stage")
-    finetune(_model(), x, y, split, _cfg(finetune_epochs=1, steps_per_epoch=2), "concat", progress=False,
-             checkpoint=ckpt)
+    cfg = _cfg(finetune_epochs=1, steps_per_epoch=2)
+    finetune(_model(), x, y, split, cfg, "concat", progress=False, checkpoint=ckpt,
+             key=cache_key(cfg, "finetune", strategy="concat"))
+    other = _cfg(finetune_epochs=1, steps_per_epoch=2, finetune_lr=0.1)
+    assert cache_key(other, "finetune", strategy="concat") != cache_key(cfg, "finetune", strategy="concat")
     with pytest.raises(CheckpointMismatchError, match="settings changed"):
-        finetune(_model(), x, y, split, _cfg(finetune_epochs=1, steps_per_epoch=2, finetune_lr=0.1), "concat",
-                 progress=False, checkpoint=ckpt, resume=True)
-    with pytest.raises(CheckpointMismatchError):  # same settings, other strategy
-        finetune(_model(), x, y, split, _cfg(finetune_epochs=1, steps_per_epoch=2), "separate",
-                 progress=False, checkpoint=ckpt, resume=True)
+        finetune(_model(), x, y, split, other, "concat", progress=False, checkpoint=ckpt, resume=True,
+                 key=cache_key(other, "finetune", strategy="concat"))
+    with pytest.raises(CheckpointMismatchError, match="fine-tuning \\(concat\\)"):  # same settings, other strategy
+        finetune(_model(), x, y, split, cfg, "separate", progress=False, checkpoint=ckpt, resume=True,
+                 key=cache_key(cfg, "finetune", strategy="separate"))
 
 
 # ---- non-finite losses ----

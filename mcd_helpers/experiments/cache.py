@@ -59,7 +59,8 @@ def load_or_compute(cfg, stage: str, compute: Callable[[], dict], retrain: bool 
 
     ``compute`` returns a checkpoint-safe dict (tensors, numbers, strings, lists, dicts), written
     atomically by rank 0. Under torchrun rank 0 decides whether the cache is used, so all ranks
-    compute or none does. A file that cannot be read is computed again (and replaced).
+    compute or none does. A file that cannot be read is computed again (and replaced). A loaded
+    result carries ``"loaded_from"`` (the file's path); a computed one does not.
 
     Raises:
         whatever ``compute`` raises; NotWritableError when no cache folder can be written.
@@ -77,7 +78,7 @@ def load_or_compute(cfg, stage: str, compute: Callable[[], dict], retrain: bool 
         else:
             if log:
                 log(f"{stage}: loaded from the cache, {found} (retrain=True / --retrain computes it again)")
-            return state
+            return {**state, "loaded_from": str(found)}
     state = compute()
     if is_main_process():
         save_checkpoint(path, {**state, "stage": stage, "key": cache_key(cfg, stage, **more)})

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..data.nearood import ProtocolSplit, class_split, protocol_split
 from ..data.sets import FMNIST_STD, load_id, load_ood, transductive_split
-from ..errors import ConfigError
+from ..errors import ConfigError, CorruptCheckpointError
 from ..losses import discrepancy_score, energy_score, msp_score
 from ..metrics import ood_metrics
 from ..models import TwoHeadNet, build_model
@@ -142,6 +142,8 @@ def pretrained(cfg, split: ProtocolSplit, retrain: bool = False, progress: bool 
     Raises:
         NonFiniteLossError, TrainingInterrupted, CheckpointMismatchError: from
             :func:`~mcd_helpers.training.loop.pretrain`.
+        CorruptCheckpointError: when the cached file holds a network of another architecture
+            (the message says to pass ``--retrain``).
     """
     def compute() -> dict:
         set_seed(cfg.seed)
@@ -158,7 +160,14 @@ def pretrained(cfg, split: ProtocolSplit, retrain: bool = False, progress: bool 
 
     state = load_or_compute(cfg, "pretrain", compute, retrain, log)
     model = _build(cfg, split)
-    model.load_state_dict(state["model"])
+    try:
+        model.load_state_dict(state["model"])
+    except RuntimeError as err:  # another architecture or width in the cached file
+        raise CorruptCheckpointError(
+            f"the cached pre-trained network {state.get('loaded_from')} does not fit {cfg.model} (norm={cfg.norm}, "
+            f"{split.x_sup.shape[1]} input channels, {int(split.y_sup.max()) + 1} classes): "
+            f"{str(err).splitlines()[0].strip()} Pass --retrain (retrain=True) to pre-train it again "
+            "(the file is replaced), or delete the file.") from err
     average_buffers(model)  # after DDP pre-training the ranks' BatchNorm statistics differ: use their mean
     return model
 

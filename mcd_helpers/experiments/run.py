@@ -42,8 +42,8 @@ import torch
 
 from ..data.files import check_writable, writable_cache_root
 from ..data.sets import ood_set_size
-from ..errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, PartialResultsError,
-                      TrainingInterrupted, UnfinishedRunError)
+from ..errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, NonFiniteLossError,
+                      PartialResultsError, TrainingInterrupted, UnfinishedRunError)
 from ..metrics import METRIC_KEYS
 from ..training.checkpoint import OutputLock, atomic_write_json, atomic_write_text
 from ..training.distributed import check_sync_bn, init_distributed, is_main_process, on_rank0_first
@@ -300,8 +300,9 @@ def _train_and_evaluate(cfg, env, out_dir, data, retrain, progress, quiet, resum
                                   (f"roc_{ood}.png", plot_roc_curves(panels, f"{id_name} vs {ood}"))):
                     fig.savefig(out_dir / name, dpi=110)
                     plt.close(fig)
-        except (TrainingInterrupted, CheckpointMismatchError, KeyboardInterrupt, CorruptCheckpointError):
-            raise  # the run cannot go on: resume or fix, then rerun
+        except (TrainingInterrupted, CheckpointMismatchError, KeyboardInterrupt, CorruptCheckpointError,
+                NonFiniteLossError):
+            raise  # the run cannot go on: resume or fix (e.g. a lower learning rate), then rerun
         except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
             if env.distributed:
                 raise  # the ranks may be out of step: stop them all

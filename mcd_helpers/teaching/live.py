@@ -4,18 +4,21 @@
 * :class:`LivePlot` -- redraws :func:`plot_history` in place after each epoch (a Jupyter display
   handle; works headless, where each update replaces the cell's output).
 * :func:`plot_extremes` -- the test images scored most and least OOD, each marked ID or OOD.
-* :func:`rerun_widget` -- ipywidgets controls (margin, OOD set, strategy, epochs) and a button
-  that reruns fine-tuning with those settings and redraws the plots.
+* :func:`rerun`, :func:`rerun_widget` -- fine-tune again with another margin, OOD set, strategy or
+  number of epochs (ipywidgets controls and a button), through the one pipeline
+  (:mod:`mcd_helpers.experiments.pipeline`): a setting that was run before is loaded from the
+  cache and its epochs replayed into the live plot.
 """
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
-__all__ = ["plot_history", "LivePlot", "plot_extremes", "rerun", "rerun_widget", "METHOD_NAMES"]
+__all__ = ["plot_history", "LivePlot", "plot_extremes", "Rerun", "rerun", "rerun_widget", "METHOD_NAMES"]
 
 METHOD_NAMES = {"msp": "MSP", "odin": "ODIN", "energy": "energy", "mcd": "MCD"}  # labels in figures
 
@@ -24,7 +27,7 @@ def plot_history(hist, margin: float | None = None, title: str = ""):
     """Three panels of a fine-tuning history: losses, entropy gap, validation AUROC.
 
     Args:
-        hist: a :class:`~mcd_helpers.train.FinetuneHistory` (per-step ``ce``, ``dis``, ``gap`` in
+        hist: a :class:`~mcd_helpers.training.loop.FinetuneHistory` (per-step ``ce``, ``dis``, ``gap`` in
             nats; per-epoch ``val_auroc`` as fractions; ``best_epoch``).
         margin: the discrepancy loss's margin m (nats), drawn on the gap panel.
 
@@ -57,8 +60,16 @@ def plot_history(hist, margin: float | None = None, title: str = ""):
 class LivePlot:
     """Redraw :func:`plot_history` in one notebook output after every epoch.
 
-    Use ``live = LivePlot(margin=1.2); finetune_by_epoch(..., on_epoch=live)``. The first call
-    displays the figure with a display id, later calls update that output in place.
+    A ``LivePlot`` is the ``on_epoch(epoch, history)`` callback of
+    :func:`~mcd_helpers.experiments.pipeline.finetuned`::
+
+        live = LivePlot(margin=cfg.margin, title="...")
+        model, hist, seconds = finetuned(cfg, base, split, ood, "separate", on_epoch=live)
+
+    (for :func:`~mcd_helpers.experiments.pipeline.run_ood_set`, whose callback also gets the
+    strategy, pass ``live.for_strategy``). The first call displays the figure with a display id,
+    later calls update that output in place; ``updates`` counts the calls (one per epoch, also
+    when a cached run is replayed).
     """
 
     def __init__(self, margin: float | None = None, title: str = ""):
@@ -75,6 +86,10 @@ class LivePlot:
             self.handle.update(fig)
         plt.close(fig)
         self.updates += 1
+
+    def for_strategy(self, strategy: str, epoch: int, hist) -> None:
+        """The ``on_epoch(strategy, epoch, history)`` callback of ``run_ood_set``: draws ``epoch``."""
+        self(epoch, hist)
 
 
 def _to_image(x: torch.Tensor, mean, std) -> np.ndarray:
@@ -128,48 +143,84 @@ def plot_extremes(x_id: torch.Tensor, x_ood: torch.Tensor, s_id, s_ood, mean, st
     return fig
 
 
-def rerun(base, x_sup, y_sup, x_test, y_test, cfg, ood: str, strategy: str, margin: float, epochs: int,
-          show: bool = True):
-    """Fine-tune ``base`` again with new settings; live history, score histograms and ROC curves.
+@dataclass
+class Rerun:
+    """One :func:`rerun`: its settings, the fine-tuned model and its results.
 
-    Returns:
-        the :class:`~mcd_helpers.experiments.MethodComparison` of the run.
+    ``rows``/``scores`` are :func:`~mcd_helpers.experiments.pipeline.evaluate`'s (msp, odin,
+    energy and ``mcd:<strategy>``); ``before`` holds the discrepancy scores ``(id, ood)`` of the
+    pre-trained network on the same test split.
+    """
+    cfg: object
+    ood: str
+    strategy: str
+    model: object
+    history: object
+    rows: list
+    scores: dict
+    before: tuple
+
+
+def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrain: bool = False,
+          show: bool = True) -> Rerun:
+    """Fine-tune again with ``margin`` (nats) and ``epochs`` on ``ood``, through the one pipeline.
+
+    ``cfg`` with ``margin`` and ``finetune_epochs`` replaced goes through
+    :func:`~mcd_helpers.experiments.pipeline.make_split`, ``pretrained`` (the cached network:
+    the pre-training settings are unchanged), ``finetuned`` and ``evaluate``. A setting run before
+    is loaded from the cache (its epochs replayed into the live plot); ``retrain=True`` trains it
+    again. With ``show``: the live history, score histograms (before and after) and ROC curves.
+
+    Args:
+        cfg: an :class:`~mcd_helpers.experiments.config.MCDConfig`; data: the
+            :class:`~mcd_helpers.experiments.pipeline.Data` of ``load_data(cfg)``.
+        strategy: one of :data:`mcd_helpers.steps.STRATEGIES`.
+
+    Raises:
+        ConfigError: (a ValueError) on a negative margin or ``epochs < 1`` (from ``MCDConfig``);
+        ValueError: on an unknown strategy (from the training loop).
     """
     from IPython.display import display
 
-    from ..experiments.pipeline import compare_methods, ood_split
+    from ..experiments.pipeline import evaluate, finetuned, make_split, pretrained
     from ..experiments.plots import plot_roc_curves, plot_score_histograms
 
     cfg = dataclasses.replace(cfg, margin=margin, finetune_epochs=epochs)
-    split = ood_split(cfg, ood, x_test, y_test)
+    split = make_split(cfg, data, ood)
+    base = pretrained(cfg, split, progress=False, log=None)
     live = LivePlot(margin, f"{ood}, {strategy}, m = {margin}") if show else None
-    comp = compare_methods(base, x_sup, y_sup, split, cfg, ood, strategy, on_epoch=live)
+    model, hist, _ = finetuned(cfg, base, split, ood, strategy, retrain=retrain, progress=False, on_epoch=live)
+    rows, scores = evaluate(cfg, base, {strategy: model}, split, ood)
+    before = evaluate(cfg, base, {"pre-trained": base}, split, ood, methods=("mcd",))[1]["mcd:pre-trained"]
     if show:
-        panels = {"MCD before fine-tuning": comp.scores["mcd_before"], "MCD after": comp.scores["mcd"]}
+        panels = {"MCD before fine-tuning": before, "MCD after": scores[f"mcd:{strategy}"]}
+        curves = {name: scores[f"mcd:{strategy}" if m == "mcd" else m] for m, name in METHOD_NAMES.items()}
         for fig in (plot_score_histograms(panels, f"{cfg.id_dataset} (ID) vs {ood} (OOD): discrepancy score"),
-                    plot_roc_curves({name: comp.scores[m] for m, name in METHOD_NAMES.items()},
-                                    f"ROC: {cfg.id_dataset} vs {ood}")):
+                    plot_roc_curves(curves, f"ROC: {cfg.id_dataset} vs {ood}")):
             display(fig)
             plt.close(fig)
-    return comp
+    return Rerun(cfg, ood, strategy, model, hist, rows, scores, before)
 
 
-def rerun_widget(base, x_sup, y_sup, x_test, y_test, cfg, ood_sets, max_epochs: int = 5):
+def rerun_widget(cfg, data, ood_sets, max_epochs: int = 5):
     """Controls for margin, OOD set, strategy and epochs, and a button that calls :func:`rerun`.
 
     Returns:
         ``(box, controls)``: the ``ipywidgets.VBox`` to display and a dict of its widgets
-        (``margin``, ``ood``, ``strategy``, ``epochs``, ``button``, ``output``); after a click,
-        ``controls["last"]`` holds the run's :class:`~mcd_helpers.experiments.MethodComparison`.
+        (``margin``, ``ood``, ``strategy``, ``epochs``, ``retrain``, ``button``, ``output``); after a
+        click, ``controls["last"]`` holds the run's :class:`Rerun`.
     """
     import ipywidgets as w
+
+    from ..steps import STRATEGIES
 
     controls = {
         "margin": w.FloatSlider(value=cfg.margin, min=0.0, max=2.3, step=0.1, description="margin m (nats)",
                                 style={"description_width": "initial"}),
         "ood": w.Dropdown(options=list(ood_sets), value=ood_sets[0], description="OOD set"),
-        "strategy": w.ToggleButtons(options=["separate", "concat"], value="separate", description="Step B"),
+        "strategy": w.ToggleButtons(options=list(STRATEGIES), value="separate", description="Step B"),
         "epochs": w.IntSlider(value=min(cfg.finetune_epochs, max_epochs), min=1, max=max_epochs, description="epochs"),
+        "retrain": w.Checkbox(value=False, description="train again even if cached"),
         "button": w.Button(description="fine-tune again", button_style="primary", icon="play"),
         "output": w.Output(),
     }
@@ -178,9 +229,10 @@ def rerun_widget(base, x_sup, y_sup, x_test, y_test, cfg, ood_sets, max_epochs: 
         out = controls["output"]
         out.clear_output()
         with out:
-            controls["last"] = rerun(base, x_sup, y_sup, x_test, y_test, cfg, controls["ood"].value,
-                                     controls["strategy"].value, controls["margin"].value, controls["epochs"].value)
+            controls["last"] = rerun(cfg, data, controls["ood"].value, controls["strategy"].value,
+                                     controls["margin"].value, controls["epochs"].value, controls["retrain"].value)
 
     controls["button"].on_click(on_click)
     row = w.HBox([controls[k] for k in ("margin", "ood", "epochs")])
-    return w.VBox([row, w.HBox([controls["strategy"], controls["button"]]), controls["output"]]), controls
+    return (w.VBox([row, w.HBox([controls["strategy"], controls["retrain"], controls["button"]]), controls["output"]]),
+            controls)
