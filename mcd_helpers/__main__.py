@@ -1,6 +1,9 @@
-"""Command line: ``python -m mcd_helpers reproduce``.
+"""Command line: ``python -m mcd_helpers reproduce`` and ``python -m mcd_helpers benchmark``.
 
 Examples::
+
+    python -m mcd_helpers benchmark --preset near-ood-quick --out runs/near-ood-quick   # CPU, <= 20 minutes
+    python -m mcd_helpers benchmark --preset near-ood --out runs/near-ood --seeds 10     # the full preset
 
     python -m mcd_helpers reproduce --preset quick --out runs/demo     # CPU, about 10 minutes
     python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
@@ -120,6 +123,29 @@ def build_parser() -> argparse.ArgumentParser:
             kind, default = hint, f.default
         rep.add_argument(flag, type=kind, default=None, dest=f.name,
                          help=f"{text} (default: from the preset; base {default})")
+    bench = sub.add_parser("benchmark", help="near-OOD benchmark: protocols x strategies x methods over seeds",
+                           description="Run a benchmark preset (held-out Fashion-MNIST classes under the "
+                           "transductive, disjoint and unseen-ood protocols; MCD strategies and BatchNorm remedies; "
+                           "MSP, ODIN, energy) over several seeds; write results.json, scores/, summary.md, "
+                           "forest.png and by_protocol.png into --out.")
+    bench.add_argument("--preset", default="near-ood-quick", help="benchmark preset (default near-ood-quick); "
+                       "see --list-presets")
+    bench.add_argument("--list-presets", action="store_true", help="show the benchmark presets and exit")
+    bench.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
+    bench.add_argument("--seeds", type=int, default=None, help="number of seeds 0..N-1 (default: the preset's)")
+    bench.add_argument("--class-splits", type=_parse_tuple(str), default=None,
+                       help="class splits, comma-separated: a, b, c or written ones such as 012345/6789")
+    bench.add_argument("--protocols", type=_parse_tuple(str), default=None,
+                       help="protocols, comma-separated: transductive, disjoint, unseen-ood")
+    bench.add_argument("--strategies", type=_parse_tuple(str), default=None,
+                       help="MCD strategies, comma-separated: separate, concat, split-bn, recalibrate")
+    bench.add_argument("--selections", type=_parse_tuple(str), default=None,
+                       help="model selections, comma-separated: ood-labels, last-epoch")
+    for name, text in (("retrain", "train every stage again even if cached"),
+                       ("resume", "continue an interrupted benchmark in --out"),
+                       ("fresh", "delete the unfinished work in --out and start over"),
+                       ("quiet", "no progress bars or log lines")):
+        bench.add_argument(f"--{name}", action="store_true", help=text)
     return parser
 
 
@@ -134,8 +160,51 @@ def config_from_args(args: argparse.Namespace) -> MCDConfig:
     return get_preset(args.preset, **overrides)
 
 
+def _report_error(err: BaseException, out: Path, tag: str = "") -> int:
+    """Print ``err`` as one message (no traceback for a user's error) and return its exit code."""
+    from .errors import exit_code
+
+    code = exit_code(err)
+    if code >= 128:  # TrainingInterrupted (SIGTERM/SIGINT) or Ctrl-C outside a training loop
+        what = str(err) or f"SIGINT: finished stages and the last checkpoint in {out / 'checkpoints'} are kept."
+        print(f"{tag}interrupted: {what} Continue with the same command and --resume.", file=sys.stderr)
+    elif isinstance(err, ConfigError):
+        print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
+    elif isinstance(err, OSError) and code == 1 and type(err).__name__ in ("OSError", "PermissionError",
+                                                                            "FileNotFoundError"):
+        print(f"{tag}error: {type(err).__name__}: {err}", file=sys.stderr)
+    elif not isinstance(err, (ValueError, OSError, RuntimeError, FloatingPointError)):
+        raise err  # a bug, not a user error: keep the traceback
+    else:
+        print(f"{tag}error: {err}", file=sys.stderr)
+    return code
+
+
+def _benchmark(args: argparse.Namespace) -> int:
+    from .experiments.benchmark import BENCHMARK_PRESETS, run_benchmark
+
+    if args.list_presets:
+        for name, p in BENCHMARK_PRESETS.items():
+            print(f"{name}: {p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most {p.max_seeds})")
+        return 0
+    if args.out is None:
+        print("error: --out DIR is required (the folder for results.json, scores/, summary.md)", file=sys.stderr)
+        return 2
+    try:
+        run_benchmark(args.preset, args.out, args.seeds, args.class_splits, args.protocols, args.strategies,
+                      args.selections, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
+                      resume=args.resume, fresh=args.fresh)
+    except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one message, one exit code per error class)
+        return _report_error(err, args.out)
+    if not args.quiet:
+        print((args.out / "summary.md").read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "benchmark":
+        return _benchmark(args)
     if args.list_presets:
         for name, cfg in PRESETS.items():
             changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
@@ -154,7 +223,6 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as err:
         print(f"error: {err.args[0]}", file=sys.stderr)
         return 2
-    from .errors import exit_code
     from .experiments.run import run_reproduction
     from .training.distributed import check_sync_bn, cleanup, dist_env, is_main_process
 
@@ -172,21 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                          resume=args.resume, fresh=args.fresh)
         main_rank = is_main_process()
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one message, one exit code per error class)
-        code = exit_code(err)
-        if code >= 128:  # TrainingInterrupted (SIGTERM/SIGINT) or Ctrl-C outside a training loop
-            what = str(err) or (f"SIGINT: finished stages and the last checkpoint in {args.out / 'checkpoints'} "
-                                "are kept.")
-            print(f"{tag}interrupted: {what} Continue with the same command and --resume.", file=sys.stderr)
-        elif isinstance(err, ConfigError):
-            print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
-        elif isinstance(err, OSError) and code == 1 and type(err).__name__ in ("OSError", "PermissionError",
-                                                                                "FileNotFoundError"):
-            print(f"{tag}error: {type(err).__name__}: {err}", file=sys.stderr)
-        elif not isinstance(err, (ValueError, OSError, RuntimeError, FloatingPointError)):
-            raise  # a bug, not a user error: keep the traceback
-        else:
-            print(f"{tag}error: {err}", file=sys.stderr)
-        return code
+        return _report_error(err, args.out, tag)
     finally:
         cleanup()  # the torchrun process group, if any
     if not args.quiet and main_rank:

@@ -88,8 +88,20 @@ def test_check_class_split_other_num_classes():
 
 def test_class_split_unknown_name():
     assert class_split("b") == ((0, 2, 3, 5, 7, 9), (1, 4, 6, 8))
-    with pytest.raises(ConfigError, match=r"unknown class split 'z'; known splits: 'a': .*'b': .*'c': "):
+    with pytest.raises(ConfigError, match=r"unknown class split 'z'; give .* Known splits: 'a': .*'b': .*'c': "):
         class_split("z")
+
+
+def test_a_written_class_split_is_parsed_and_checked():
+    assert class_split("012345/6789") == CLASS_SPLITS["a"]
+    assert class_split("0123/45") == ((0, 1, 2, 3), (4, 5))  # classes 6-9 left out of the task
+    for text, match in (("012/2345", r"class\(es\) \[2\] are both ID and OOD \(overlap\)"),
+                        ("/0123", r"id_classes is empty"), ("0123/", r"ood_classes is empty"),
+                        ("0113/45", r"id_classes lists class\(es\) \[1\] more than once"),
+                        ("01a/23", r"unknown class split '01a/23'; give a known name or the ID and OOD class digits"),
+                        ("01/23/45", r"unknown class split '01/23/45'")):
+        with pytest.raises(ConfigError, match=match):
+            class_split(text)
 
 
 # ---- transductive ------------------------------------------------------------------------------

@@ -161,3 +161,43 @@ def test_bad_settings_are_refused_with_the_reason(tiny):
 def test_metric_keys_are_the_ones_compared():
     # the must-show compares every metric a row has: if metrics.py grows one, METRICS must too
     assert set(METRIC_KEYS) | {"id_accuracy"} == set(METRICS)
+
+
+def test_one_run_serves_both_selections_and_recalibrate_shares_the_separate_run(tiny, monkeypatch):
+    """selection only picks which cached weights a fine-tuning keeps; ``recalibrate`` is the
+    ``separate`` run with its BatchNorm statistics recomputed (one cache file for both)."""
+    from mcd_helpers.norms import recalibrate_bn
+
+    data, split, base, root = tiny
+    best, h_best, _ = finetuned(TINY, base, split, "gaussian", "separate", progress=False, log=None)
+    monkeypatch.setattr(pipeline, "finetune", lambda *a, **k: pytest.fail("trained again instead of loading"))
+    last_cfg = dataclasses.replace(TINY, selection="last-epoch")
+    last, h_last, _ = finetuned(last_cfg, base, split, "gaussian", "separate", progress=False, log=None)
+    recal, _, _ = finetuned(last_cfg, base, split, "gaussian", "recalibrate", progress=False, log=None)
+    assert len([f for f in _cache_files(root) if f.startswith("finetune-")]) == 1
+    # the histories are one run's: the validation AUROC is recorded under both selections
+    assert h_best.val_auroc == h_last.val_auroc and len(h_last.val_auroc) == TINY.finetune_epochs
+    assert h_best.best_epoch == int(np.argmax(h_best.val_auroc)) and h_last.best_epoch == TINY.finetune_epochs - 1
+    if h_best.best_epoch != h_last.best_epoch:  # other epochs: other weights
+        assert any(not torch.equal(best.state_dict()[k], v) for k, v in last.state_dict().items())
+    # recalibrate = the last-epoch model with running statistics recomputed on the first labeled images
+    by_hand = recalibrate_bn(last, split.x_sup[:pipeline.RECALIBRATION_IMAGES], batch_size=TINY.batch_size_sup)
+    for k, v in by_hand.state_dict().items():
+        torch.testing.assert_close(recal.state_dict()[k], v, rtol=0, atol=0)
+    assert not torch.equal(recal.state_dict()["G.1.running_mean"], finetuned(
+        last_cfg, base, split, "gaussian", "separate", progress=False, log=None)[0].state_dict()["G.1.running_mean"])
+
+
+def test_the_pretrain_key_follows_the_labeled_set_not_the_protocol_name():
+    from mcd_helpers.experiments.cache import cache_key
+
+    a = dataclasses.replace(TINY, class_split="a")
+    keys = {p: cache_key(dataclasses.replace(a, protocol=p), "pretrain") for p in ("transductive", "disjoint",
+                                                                                      "unseen-ood")}
+    assert keys["disjoint"] == keys["unseen-ood"] != keys["transductive"]  # same labeled set, another
+    # the transductive labeled set is every ID training image: n_holdout does not enter its key
+    assert cache_key(dataclasses.replace(a, n_holdout=7), "pretrain") == keys["transductive"]
+    assert cache_key(dataclasses.replace(a, protocol="disjoint", n_holdout=7), "pretrain") != keys["disjoint"]
+    # the model selection never enters a key: both selections come from one fine-tuning
+    assert cache_key(a, "finetune", ood="heldout", strategy="separate") == cache_key(
+        dataclasses.replace(a, selection="last-epoch"), "finetune", ood="heldout", strategy="separate")

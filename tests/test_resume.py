@@ -41,7 +41,7 @@ signal_on_call(train, sys.argv[1], int(sys.argv[2]), getattr(signal, sys.argv[3]
 from mcd_helpers.__main__ import main
 sys.exit(main(sys.argv[4:]))
 """
-METRICS = ("fpr95", "detection_error", "auroc", "aupr_in", "aupr_out", "id_accuracy", "best_val_auroc")
+METRICS = ("fpr95", "detection_error", "auroc", "aupr_in", "aupr_out", "id_accuracy", "val_auroc")
 
 
 @pytest.fixture(scope="module")

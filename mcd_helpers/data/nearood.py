@@ -107,14 +107,25 @@ def check_class_split(id_classes, ood_classes, num_classes: int = 10) -> tuple[t
 
 
 def class_split(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(id_classes, ood_classes)`` of a named split of :data:`CLASS_SPLITS`.
+    """``(id_classes, ood_classes)`` of a named split of :data:`CLASS_SPLITS`, or of a written one.
+
+    A written split lists the ID class digits, a slash, the OOD class digits: ``"012345/6789"``
+    is split ``"a"``; ``"0123/45"`` leaves classes 6-9 out of the task. It is checked by
+    :func:`check_class_split`.
 
     Raises:
-        ConfigError (field ``class_split``): an unknown name; the message names the known splits.
+        ConfigError (field ``class_split``): an unknown name, a written split that is not
+            ``digits/digits``, or one that :func:`check_class_split` refuses (empty, overlapping,
+            a class twice); the message names the known splits.
     """
-    if name not in CLASS_SPLITS:
-        raise ConfigError("class_split", f"unknown class split {name!r}; known splits: {_known_splits()}.")
-    return CLASS_SPLITS[name]
+    if name in CLASS_SPLITS:
+        return CLASS_SPLITS[name]
+    if isinstance(name, str) and name.count("/") == 1:
+        id_part, ood_part = name.split("/")
+        if all(c.isdigit() for c in id_part + ood_part):
+            return check_class_split([int(c) for c in id_part], [int(c) for c in ood_part])
+    raise ConfigError("class_split", f"unknown class split {name!r}; give a known name or the ID and OOD class "
+                                     f"digits as 'IDS/OODS' (e.g. '012345/6789'). Known splits: {_known_splits()}.")
 
 
 @dataclass
@@ -242,7 +253,7 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
     if protocol == "transductive":
         for n, what in ((n_id_te, "test set's ID-class part"), (n_ood_te, "test set's OOD-class part")):
             if n <= n_val:
-                raise _too_large("n_val", n_val, n, what, f"the first n_val go to validation, at least one must "
+                raise _too_large("n_val", n_val, n, what, "the first n_val go to validation, at least one must "
                                  "be left for testing")
     else:
         n_holdout = _count(n_holdout, "n_holdout")

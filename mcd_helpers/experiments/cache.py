@@ -30,15 +30,19 @@ __all__ = ["cache_key", "cache_path", "load_or_compute"]
 def cache_key(cfg, stage: str, **more) -> str:
     """A 16-hex-digit hash of what ``stage``'s result depends on (see the module docstring).
 
-    ``stage == "pretrain"`` hashes :data:`PRETRAIN_FIELDS` only (the transductive protocol's
-    labeled set is every ID training image, so its split settings are left out there); any other
-    stage hashes every field but :data:`RUN_FIELDS`.
+    ``stage == "pretrain"`` hashes :data:`PRETRAIN_FIELDS` only, with the protocol reduced to
+    what the labeled set depends on: every ID training image (transductive; the split settings are
+    left out) or those left after ``n_holdout`` were held out (disjoint and unseen-ood share one
+    network); any other stage hashes every field but :data:`RUN_FIELDS`.
     """
     fields = cfg.to_dict()
     if stage == "pretrain":
-        keep = [k for k in PRETRAIN_FIELDS
-                if not (cfg.protocol == "transductive" and k in ("protocol", "n_holdout", "split_seed"))]
-        fields = {k: fields[k] for k in keep}
+        # the labeled set is all ID training images (transductive) or those left after n_holdout
+        # went to the unlabeled pool (disjoint and unseen-ood alike: one network for both)
+        holdout = cfg.protocol != "transductive"
+        fields = {k: fields[k] for k in PRETRAIN_FIELDS
+                  if k != "protocol" and (holdout or k not in ("n_holdout", "split_seed"))}
+        fields["labeled"] = "holdout" if holdout else "all"
     else:
         fields = {k: v for k, v in fields.items() if k not in RUN_FIELDS}
     w = world()[1]

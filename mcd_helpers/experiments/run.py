@@ -32,25 +32,24 @@ interrupted run continues with ``resume=True`` (CLI: ``--resume``) and ends with
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
-import shutil
 from pathlib import Path
 
 import torch
 
-from ..data.files import check_writable, writable_cache_root
+from ..data.files import writable_cache_root
 from ..data.sets import ood_set_size
 from ..errors import (CheckpointMismatchError, ConfigError, CorruptCheckpointError, NonFiniteLossError,
-                      PartialResultsError, TrainingInterrupted, UnfinishedRunError)
+                      PartialResultsError, TrainingInterrupted)
 from ..metrics import METRIC_KEYS
-from ..training.checkpoint import OutputLock, atomic_write_json, atomic_write_text
+from ..training.checkpoint import OutputLock, atomic_write_text
 from ..training.distributed import check_sync_bn, init_distributed, is_main_process, on_rank0_first
 from .config import MCDConfig
+from .outdir import prepare_out, write_run
 from .pipeline import HELD_OUT, load_data, run_ood_set
 
-__all__ = ["run_reproduction", "results_markdown", "load_results", "unfinished_work", "check_sizes", "check_device"]
+__all__ = ["run_reproduction", "results_markdown", "load_results", "check_sizes", "check_device"]
 
 _ID_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10", "cifar100": "CIFAR-100"}
 
@@ -133,57 +132,6 @@ def check_sizes(cfg: MCDConfig, n_train: int, n_test: int, ood_sizes: dict[str, 
                                                   "OOD, after n_val of each went to validation).")
 
 
-def _read_run(out_dir: Path) -> dict:
-    try:
-        return json.loads((out_dir / "run.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def unfinished_work(out_dir: Path) -> list[Path]:
-    """Checkpoint files in ``out_dir/checkpoints`` that an unfinished run left (empty when none).
-
-    Rolling checkpoints (``<stage>/last*.pt``) always count; finished stages' ``mcd-*.pt`` count
-    unless ``run.json`` (or, for folders from before ``run.json``, a ``results.json`` with no
-    rolling checkpoint) says the run finished.
-    """
-    ckpt = Path(out_dir) / "checkpoints"
-    if not ckpt.is_dir():
-        return []
-    rolling, finals = sorted(ckpt.glob("*/last*.pt")), sorted(ckpt.glob("*.pt"))
-    status = _read_run(Path(out_dir)).get("status")
-    if status == "finished" or (status is None and (Path(out_dir) / "results.json").exists()):
-        return rolling
-    return rolling + finals
-
-
-def _write_run(out_dir: Path, **fields) -> None:
-    atomic_write_json(out_dir / "run.json", {**_read_run(out_dir), **fields,
-                                             "updated": datetime.datetime.now().isoformat(timespec="seconds")})
-
-
-def _prepare_out(out_dir: Path, lock: OutputLock, cfg: MCDConfig, resume: bool, fresh: bool, quiet: bool) -> None:
-    """Rank 0: ``--out`` writable, locked, no unfinished run in the way; ``run.json`` says running."""
-    check_writable(out_dir, "--out", "choose another --out")
-    lock.acquire()
-    if lock.stale_pid is not None:
-        _log(f"note: {lock.path} was left by PID {lock.stale_pid}, which no longer runs; taken over.", quiet)
-    left = unfinished_work(out_dir)
-    if left and not resume:
-        if not fresh:
-            shown = ", ".join(str(p.relative_to(out_dir)) for p in left[:4]) + (" ..." if len(left) > 4 else "")
-            raise UnfinishedRunError(
-                f"{out_dir} holds checkpoints of an unfinished run ({shown}). Pass --resume to continue it "
-                "(same settings), or --fresh to delete them and start over, or choose another --out. "
-                "Nothing was deleted.")
-        shutil.rmtree(out_dir / "checkpoints")
-        _log(f"--fresh: deleted the checkpoints of the earlier run in {out_dir / 'checkpoints'}", quiet)
-    if fresh:
-        (out_dir / "run.json").unlink(missing_ok=True)
-    _write_run(out_dir, status="running", pid=os.getpid(), resumed=bool(resume),
-               started=datetime.datetime.now().isoformat(timespec="seconds"), config=cfg.to_dict(), failures={})
-
-
 def _write_results(out_dir: Path, cfg: MCDConfig, rows: list[dict], failures: dict[str, str]) -> None:
     """``config.json``, ``results.json``, ``results.md`` together: all three rendered first, then written."""
     blobs = {"config.json": json.dumps(cfg.to_dict(), indent=2, allow_nan=False) + "\n",
@@ -240,11 +188,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     main = is_main_process()
     quiet, progress = quiet or not main, progress and main
     out_dir = Path(out_dir)
-    ckpt_dir = out_dir / "checkpoints"
     lock = OutputLock(out_dir)
     try:
         # ---- before any training: --out, the caches, the data, every OOD set, the sizes ----
-        on_rank0_first(lambda: _prepare_out(out_dir, lock, cfg, resume, fresh, quiet) if is_main_process() else None)
+        on_rank0_first(lambda: prepare_out(out_dir, lock, cfg, resume, fresh, quiet) if is_main_process() else None)
         try:
             _, note = on_rank0_first(writable_cache_root)
             if note:
@@ -257,11 +204,11 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         except BaseException as err:
             if main:  # this run wrote run.json's "running" (in _prepare_out): say how it ended
                 status = "interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
-                _write_run(out_dir, status=status, error=f"{type(err).__name__}: {err}")
+                write_run(out_dir, status=status, error=f"{type(err).__name__}: {err}")
             raise
         if main:
             _write_results(out_dir, cfg, rows, failures)
-            _write_run(out_dir, status="partial" if failures else "finished", failures=failures)
+            write_run(out_dir, status="partial" if failures else "finished", failures=failures)
     finally:
         lock.release()
     if failures:

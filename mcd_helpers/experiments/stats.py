@@ -83,7 +83,8 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
 
     Rows of strategy ``a`` and ``b`` that agree on ``keys`` form a group; within it each seed gives
     one difference ``d = row_a[metric] - row_b[metric]`` (a fraction for fraction metrics). Groups
-    with no row of either strategy are skipped; rows of other strategies are ignored.
+    in which one of the two strategies has no row at all are skipped; rows of other strategies are
+    ignored.
 
     Returns:
         one dict per group, in order of first appearance: the ``keys`` values, ``metric``, ``a``,
@@ -109,6 +110,8 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
     out = []
     for group_key, by in groups.items():
         group = dict(zip(keys, group_key))
+        if not by[a] or not by[b]:
+            continue  # only one of the two strategies ran in this group: nothing to pair
         only_a, only_b = sorted(set(by[a]) - set(by[b])), sorted(set(by[b]) - set(by[a]))
         if only_a or only_b:
             raise ValueError(f"unmatched seeds in group {_group_name(group)}: seeds {only_a} only for {a!r}, "
@@ -204,7 +207,8 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
 
     Returns:
         the matplotlib ``Figure``; x in percentage points (100 x the fraction difference), a
-        vertical line at 0, rows top to bottom in the order given, labelled by the keys that vary.
+        vertical line at 0, rows top to bottom in the order given, labelled by the keys that vary
+        (and by ``a − b`` when the entries hold several comparisons).
 
     Raises:
         ValueError: no entry for ``metric`` (the available metrics are named).
@@ -214,17 +218,23 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
         raise ValueError(f"no paired differences for metric {metric!r}; "
                          f"available: {sorted({d['metric'] for d in paired})}.")
     shown = _varying(entries, [k for k in entries[0] if k not in _PAIR_FIELDS])
+    pairs = list(dict.fromkeys((d["a"], d["b"]) for d in entries))
+    labels = [(f"{d['a']} − {d['b']}: " if len(pairs) > 1 else "") + _label(d, shown) for d in entries]
     y = np.arange(len(entries))
-    fig, ax = plt.subplots(figsize=(7.0, 1.2 + 0.4 * len(entries)))
+    fig, ax = plt.subplots(figsize=(9.0, 1.4 + 0.35 * len(entries)))
     ax.errorbar([100 * d["mean"] for d in entries], y, xerr=[100 * d["half_width"] for d in entries],
                 fmt="o", capsize=3, label="mean and 95% CI over seeds")
     ax.axvline(0, color="grey", linestyle="--", linewidth=1)
-    ax.set_yticks(y, [_label(d, shown) for d in entries])
+    ax.set_yticks(y, labels)
     ax.invert_yaxis()
     name = _LABELS.get(metric, metric)
-    ax.set(xlabel=f"{entries[0]['a']} − {entries[0]['b']}, {name} (percentage points)", ylabel=" / ".join(shown),
-           title=title or f"Paired differences in {name} ({entries[0]['a']} − {entries[0]['b']}, same seed)")
-    ax.legend(fontsize=8, loc="best")
+    if len(pairs) == 1:
+        which = f"{pairs[0][0]} − {pairs[0][1]}"
+    else:
+        which = f"strategy − {pairs[0][1]}" if len({b for _, b in pairs}) == 1 else "a − b"
+    ax.set(xlabel=f"{which}, {name} (percentage points)", ylabel=" / ".join(shown))
+    ax.set_title(title or f"Paired differences in {name} ({which}, same seed)", fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return fig
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import copy
 import html
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch

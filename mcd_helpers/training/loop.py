@@ -205,17 +205,20 @@ class FinetuneHistory:
 
 def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, cfg, strategy: str,
              progress: bool = True, checkpoint: RollingCheckpoint | None = None, resume: bool = False,
-             key: str = "", on_epoch: Callable[[int, "FinetuneHistory"], None] | None = None) -> FinetuneHistory:
+             key: str = "", on_epoch: Callable[[int, "FinetuneHistory"], None] | None = None,
+             states_out: dict | None = None) -> FinetuneHistory:
     """Fine-tune with MCD for ``cfg.finetune_epochs`` epochs; select the model by ``cfg.selection``.
 
     Each iteration draws a labeled batch from ``(x_sup, y_sup)`` and an unlabeled batch from
     ``split.unlabeled()`` (its own endless stream of shuffled passes), then runs Step A
     (``cfg.schedule == "official"``) and Step B with ``strategy`` (:mod:`mcd_helpers.steps`).
     One SGD optimizer runs through all epochs (its momentum carries over). An epoch is one pass
-    over the labeled set, capped at ``cfg.steps_per_epoch`` when > 0. Model selection
-    (``cfg.selection``): ``"ood-labels"`` (official) keeps the epoch with the best discrepancy-score
-    AUROC on ``split.val_id_x`` vs ``split.val_ood_x``, loaded into ``model`` at the end;
-    ``"last-epoch"`` keeps the last epoch and uses no OOD labels.
+    over the labeled set, capped at ``cfg.steps_per_epoch`` when > 0. After every epoch the
+    discrepancy-score AUROC on ``split.val_id_x`` vs ``split.val_ood_x`` is recorded (it never
+    changes the training). Model selection (``cfg.selection``) only decides which weights
+    ``model`` holds at the end: ``"ood-labels"`` (official) the epoch with the best validation
+    AUROC, ``"last-epoch"`` the last epoch (no OOD label chooses anything). The training is the
+    same under both, so one run serves both selections (``states_out``).
 
     Args:
         model: a TwoHeadNet (with per-stream BatchNorm for ``"split-bn"``), trained in place.
@@ -224,10 +227,13 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
         checkpoint: where to keep checkpoints (none when ``None``); resume: continue from it;
         key: the settings' hash stored in the checkpoints;
         on_epoch: called as ``on_epoch(epoch, history)`` after each epoch (e.g. a live plot).
+        states_out: when a dict is given, it receives ``"best"`` (the state dict of the epoch with
+            the best validation AUROC) and ``"last"`` (the last epoch's), whatever ``cfg.selection``.
 
     Returns:
         the :class:`FinetuneHistory`: per-step ``ce``, ``dis``, ``gap`` (nats), per-epoch
-        ``val_auroc`` (fraction; empty with ``"last-epoch"``), ``best_epoch``.
+        ``val_auroc`` (fractions), ``best_epoch`` (the epoch ``model`` holds: the best validation
+        AUROC under ``"ood-labels"``, the last epoch under ``"last-epoch"``).
 
     Raises:
         NonFiniteLossError: when a loss becomes NaN or inf (names the step and the loss parts;
@@ -309,24 +315,25 @@ def finetune(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, split, 
                                                f"saved in {checkpoint.folder}. Resume to continue.")
             start_step = 0
             log(read_back(pending, names, f"fine-tuning ({strategy})", checkpoint))
-            # ---- model selection: best validation AUROC (OOD labels), or the last epoch ----
+            # ---- validation AUROC (recorded; it chooses the weights under "ood-labels" only) ----
             average_buffers(net)  # every rank scores with the ranks' mean BatchNorm statistics
-            if selection == "ood-labels":
-                scores = [discrepancy_score(*gather_scores(
-                    lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
-                    for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
-                hist.val_auroc.append(ood_metrics(*scores)["auroc"])
-                if hist.val_auroc[-1] > best_auroc:
-                    best_auroc, hist.best_epoch = hist.val_auroc[-1], epoch
-                    best = {k: v.detach().clone() for k, v in net.state_dict().items()}
-            else:
-                hist.best_epoch = epoch
+            scores = [discrepancy_score(*gather_scores(
+                lambda t: predict_logits(net, t, cfg.eval_batch_size, device), v))
+                for v in (split.val_id_x, split.val_ood_x)]  # the whole validation split, on every rank
+            hist.val_auroc.append(ood_metrics(*scores)["auroc"])
+            if hist.val_auroc[-1] > best_auroc:
+                best_auroc = hist.val_auroc[-1]
+                best = {k: v.detach().clone() for k, v in net.state_dict().items()}
+            hist.best_epoch = (hist.val_auroc.index(best_auroc) if selection == "ood-labels" else epoch)
             if on_epoch is not None:
                 on_epoch(epoch, hist)
             if checkpoint is not None:
                 save(epoch + 1, 0)
                 if stop.requested:
                     raise stop.interrupted(f"at the end of {stage}; saved in {checkpoint.folder}.")
-    if best is not None:
+    last = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    if states_out is not None:
+        states_out.update(best=best if best is not None else last, last=last)
+    if selection == "ood-labels" and best is not None:
         net.load_state_dict(best)
     return hist
