@@ -13,7 +13,7 @@ Examples::
     python -m mcd_helpers reproduce --preset paper-cifar10-densenet --out runs/c10 \
         --amp bf16 --channels-last --compile --data-on-device                 # GPU fast path
 
-Every field of :class:`mcd_helpers.config.MCDConfig` is a flag (``finetune_lr`` ->
+Every field of :class:`mcd_helpers.experiments.config.MCDConfig` is a flag (``finetune_lr`` ->
 ``--finetune-lr``); tuple fields take comma-separated values (``--ood-sets digits,gaussian``),
 yes/no fields are switches (``--compile`` / ``--no-compile``). The data root is
 ``$MCD_DATA_DIR`` (see :mod:`mcd_helpers.data`).

@@ -9,7 +9,8 @@ import signal
 
 __all__ = ["DataNotFoundError", "CorruptDataError", "ChecksumError", "NotWritableError", "DiskFullError",
            "OutputLockedError", "UnfinishedRunError", "ConfigError", "PartialResultsError", "CorruptCheckpointError",
-           "CheckpointMismatchError", "NonFiniteLossError", "TrainingInterrupted", "exit_code"]
+           "CheckpointMismatchError", "NonFiniteLossError", "TrainingInterrupted", "GraphTooLargeError",
+           "GraphvizMissingWarning", "exit_code"]
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -41,7 +42,7 @@ class UnfinishedRunError(RuntimeError):
 
 
 class ConfigError(ValueError):
-    """A setting that cannot work; ``field`` names the :class:`~mcd_helpers.config.MCDConfig` field.
+    """A setting that cannot work; ``field`` names the :class:`~mcd_helpers.experiments.config.MCDConfig` field.
 
     The command line shows it with the flag's name (``n_val`` -> ``--n-val``).
     """
@@ -94,6 +95,14 @@ class TrainingInterrupted(RuntimeError):
 
     def __reduce__(self):
         return (type(self), (str(self), self.signal))
+
+
+class GraphTooLargeError(ValueError):
+    """The autograd graph has more nodes than a readable drawing can show; the message says how many."""
+
+
+class GraphvizMissingWarning(UserWarning):
+    """Graphviz's ``dot`` program is not installed: DOT source returned instead of a picture (a warning)."""
 
 
 def exit_code(err: BaseException) -> int:

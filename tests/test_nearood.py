@@ -146,12 +146,16 @@ def test_disjoint_and_unseen_where_each_image_lands(protocol):
     assert ids(s.x_sup) == [id_tr[j] for j in p[20:]]  # 40 labelled
     assert ids(s.val_id_x) == [id_tr[j] for j in p[:3]]
     ood_src = of_classes(TRAIN_IDS, ood_c) if protocol == "disjoint" else FAR_IDS
-    p_ood = perm(len(ood_src))[:20]  # capped at n_holdout = 20
+    p_ood = perm(len(ood_src))[:13]  # the test set's OOD:ID ratio 40:60 times n_holdout = 20, rounded
     assert ids(s.val_ood_x) == [ood_src[j] for j in p_ood[:3]]
     assert ids(s.x_unsup) == [id_tr[j] for j in p[3:20]] + [ood_src[j] for j in p_ood[3:]]
-    # the test set is the full test set's ID vs OOD classes, in order, never trained on
-    assert ids(s.test_id_x) == of_classes(TEST_IDS, id_c)
-    assert ids(s.test_ood_x) == of_classes(TEST_IDS, ood_c)
+    # the test set is the transductive one (the permuted test set without its first n_val of each
+    # part), so every protocol is tested on the same images, none of them trained on
+    t = split("transductive", name="b", n_val=3)
+    assert ids(s.test_id_x) == ids(t.test_id_x) and ids(s.test_ood_x) == ids(t.test_ood_x)
+    assert ids(s.test_id_x) == [of_classes(TEST_IDS, id_c)[j] for j in perm(60)[3:]]
+    assert ids(s.test_ood_x) == [of_classes(TEST_IDS, ood_c)[j] for j in perm(40)[3:]]
+    assert torch.equal(s.test_id_y, t.test_id_y)
     trained = set(ids(s.x_sup)) | set(ids(s.x_unsup)) | set(ids(s.val_id_x)) | set(ids(s.val_ood_x))
     assert not trained & set(TEST_IDS)
     assert not set(ids(s.x_sup)) & set(ids(s.x_unsup))
@@ -161,16 +165,19 @@ def test_disjoint_and_unseen_where_each_image_lands(protocol):
     assert s.y_sup.tolist() == [mapping[i % 10] for i in ids(s.x_sup)]
     assert s.val_id_y.tolist() == [mapping[i % 10] for i in ids(s.val_id_x)]
     assert (len(s.x_sup), len(s.x_unsup), len(s.val_id_x), len(s.val_ood_x), len(s.test_id_x),
-            len(s.test_ood_x)) == (40, 34, 3, 3, 60, 40)
+            len(s.test_ood_x)) == (40, 17 + 10, 3, 3, 57, 37)  # pool: 20 ID + 13 OOD, 3 + 3 to validation
     if protocol == "unseen-ood":  # no held-out-class training image used anywhere
         assert not trained & set(of_classes(TRAIN_IDS, ood_c))
         assert set(ids(s.val_ood_x)) | set(ids(s.x_unsup)[17:]) <= set(FAR_IDS)
 
 
-def test_disjoint_cap_when_fewer_ood_images_than_holdout():
-    s = split("disjoint", n_val=2, n_holdout=50)  # 60 ID: 50 pooled; 40 OOD-class: all pooled
-    assert (len(s.x_sup), len(s.val_id_x), len(s.val_ood_x), len(s.x_unsup)) == (10, 2, 2, 48 + 38)
-    assert sorted(ids(s.val_ood_x) + ids(s.x_unsup)[48:]) == of_classes(TRAIN_IDS, range(6, 10))
+def test_the_pool_has_the_test_ratio_capped_by_the_images_there_are():
+    s = split("disjoint", n_val=2, n_holdout=50)  # 60 ID: 50 pooled; OOD: round(50 * 40 / 60) = 33 of 40
+    assert (len(s.x_sup), len(s.val_id_x), len(s.val_ood_x), len(s.x_unsup)) == (10, 2, 2, 48 + 31)
+    ood_tr = of_classes(TRAIN_IDS, range(6, 10))
+    assert ids(s.val_ood_x) + ids(s.x_unsup)[48:] == [ood_tr[j] for j in perm(40)[:33]]
+    u = split("unseen-ood", n_val=2, n_holdout=50)  # the far set has only 30: all of it
+    assert sorted(ids(u.val_ood_x) + ids(u.x_unsup)[48:]) == FAR_IDS
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
@@ -202,12 +209,13 @@ def call(protocol="disjoint", x_tr=X_TR, y_tr=Y_TR, x_te=X_TE, y_te=Y_TE, id_c=(
     (dict(n_holdout=2.5), "n_holdout", "n_holdout must be an integer >= 1, got 2.5"),
     (dict(n_holdout=60), "n_holdout", "n_holdout=60 is too large: the training set's ID-class part has 60 images"),
     (dict(n_val=20), "n_val", r"n_val=20 is too large: the unlabeled pool's ID part \(n_holdout=20\) has 20 images"),
-    (dict(n_val=40, n_holdout=50), "n_val", "n_val=40 is too large: the unlabeled pool's OOD part .*has 40 images"),
+    (dict(n_val=13, n_holdout=20), "n_val", "n_val=13 is too large: the unlabeled pool's OOD part .*has 13 images"),
+    (dict(n_val=40, n_holdout=50), "n_val", "n_val=40 is too large: the test set's OOD-class part has 40 images"),
     (dict(protocol="transductive", n_val=40), "n_val", "n_val=40 is too large: the test set's OOD-class part has 40"),
     (dict(protocol="transductive", n_val=60), "n_val", "test set's ID-class part has 60 images"),
     (dict(protocol="unseen-ood", far=None), "far_ood_train", "'unseen-ood' takes .* pass that tensor"),
     (dict(protocol="unseen-ood", far=FAR[:, :, :2]), "far_ood_train", r"tensor of images \('N', 1, 4, 4\)"),
-    (dict(protocol="unseen-ood", n_val=30, n_holdout=50), "n_val", "far_ood_train set, capped at n_holdout.* has 30 images"),
+    (dict(protocol="unseen-ood", n_val=30, n_holdout=50), "n_val", r"far_ood_train set, n_holdout times the test set's OOD:ID ratio, at most all of it\) has 30 images"),
     (dict(y_te=torch.where(Y_TE >= 6, 0, Y_TE)), "class_split", "test set's OOD-class part is empty"),
 ])
 def test_protocol_split_errors(kw, field, match):
@@ -244,5 +252,6 @@ def test_real_fashion_mnist_counts_split_a():
     assert (len(t.x_sup), len(t.val_id_x), len(t.test_id_x), len(t.val_ood_x), len(t.test_ood_x),
             len(t.x_unsup)) == (36_000, 1000, 5000, 1000, 3000, 8000)
     d = protocol_split("disjoint", x_tr, y_tr, x_te, y_te, id_c, ood_c, n_val=1000, seed=3, n_holdout=6000)
-    assert (len(d.x_sup), len(d.x_unsup), len(d.test_id_x), len(d.test_ood_x)) == (30_000, 10_000, 6000, 4000)
+    # pool: 6,000 ID + 4,000 OOD (the test set's 6:4), 1,000 of each to validation; the test set is t's
+    assert (len(d.x_sup), len(d.x_unsup), len(d.test_id_x), len(d.test_ood_x)) == (30_000, 8000, 5000, 3000)
     assert torch.equal(torch.bincount(d.y_sup, minlength=6), torch.bincount(y_tr[ids(d.x_sup)], minlength=6)[:6])

@@ -13,7 +13,7 @@
   concurrent runs sharing a cache never see, or trip over, each other's half-written files.
 * :func:`odin_noise`: ODIN's noise OOD sets (used by both loaders).
 
-This module imports neither :mod:`mcd_helpers.data` nor :mod:`mcd_helpers.cifar`; both import it.
+This module imports neither :mod:`mcd_helpers.data.sets` nor :mod:`mcd_helpers.data.cifar`; both import it.
 """
 from __future__ import annotations
 

@@ -184,6 +184,11 @@ def _too_large(name: str, value: int, have: int, what: str, need: str) -> Config
                              f"pass a smaller {name}.")
 
 
+def _pool_ood(n_holdout: int, n_id_te: int, n_ood_te: int, available: int) -> int:
+    """OOD images in the unlabeled pool: ``n_holdout`` times the test set's OOD:ID ratio, at most ``available``."""
+    return min(available, round(n_holdout * n_ood_te / n_id_te))
+
+
 def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
                    y_test: torch.Tensor, id_classes, ood_classes, *, n_val: int, seed: int, n_holdout: int,
                    far_ood_train: torch.Tensor | None = None) -> ProtocolSplit:
@@ -200,14 +205,19 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
       ``n_holdout`` is not used.
     * ``disjoint``: everything trained on comes from the training set. ID_tr is permuted; its first
       ``n_holdout`` go to the unlabeled pool (without labels), the rest are ``x_sup``. OOD_tr is
-      permuted and its first ``min(n_holdout, len(OOD_tr))`` join the pool: the cap keeps the
-      pool's ID:OOD ratio at most 1:1, comparable to the test set's 6:4 (all of OOD_tr would make
-      it 1:4 with 6,000 held out of 36,000). The first ``n_val`` of the pool's ID part and of its
-      OOD part are ``val_id`` / ``val_ood`` and are removed from the pool; the rest is ``x_unsup``
-      (ID part first). Test = all of ID_te vs all of OOD_te, in test-set order, never trained on.
+      permuted and its first ``min(len(OOD_tr), round(n_holdout * |OOD_te| / |ID_te|))`` join the
+      pool, so the pool has the test set's ID:OOD ratio (6:4 for Fashion-MNIST's 6/4 splits), as
+      the transductive unlabeled set has. The first ``n_val`` of the pool's ID part and of its OOD
+      part are ``val_id`` / ``val_ood`` and are removed from the pool; the rest is ``x_unsup`` (ID
+      part first).
     * ``unseen-ood``: as ``disjoint`` for ``x_sup``, the pool's ID part and ``val_id``, but the
-      pool's OOD part (and ``val_ood``) come from ``far_ood_train`` (permuted, capped at
-      ``n_holdout``); OOD_tr is not used. Test as ``disjoint``: the held-out classes of the test set.
+      pool's OOD part (and ``val_ood``) come from ``far_ood_train`` (permuted, the same count);
+      OOD_tr is not used.
+
+    The test set is the same under every protocol: the transductive ``test_id`` / ``test_ood``
+    (the permuted test set without its first ``n_val`` of each part, which under ``disjoint`` and
+    ``unseen-ood`` are left unused), so the protocols are compared on the same images. It is never
+    trained on under ``disjoint`` and ``unseen-ood``.
 
     Args:
         protocol: one of :data:`PROTOCOLS`.
@@ -250,12 +260,11 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
     for n, what in ((n_id_te, "test set's ID-class part"), (n_ood_te, "test set's OOD-class part")):
         if n == 0:
             raise ConfigError("class_split", f"the {what} is empty; check the labels and the class split.")
-    if protocol == "transductive":
-        for n, what in ((n_id_te, "test set's ID-class part"), (n_ood_te, "test set's OOD-class part")):
-            if n <= n_val:
-                raise _too_large("n_val", n_val, n, what, "the first n_val go to validation, at least one must "
-                                 "be left for testing")
-    else:
+    for n, what in ((n_id_te, "test set's ID-class part"), (n_ood_te, "test set's OOD-class part")):
+        if n <= n_val:  # every protocol tests on the transductive test images
+            raise _too_large("n_val", n_val, n, what, "the first n_val are left out of the test set (validation "
+                             "under transductive), at least one must be left for testing")
+    if protocol != "transductive":
         n_holdout = _count(n_holdout, "n_holdout")
         if n_holdout >= n_id_tr:
             raise _too_large("n_holdout", n_holdout, n_id_tr, "training set's ID-class part",
@@ -270,8 +279,10 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
                                   f"{tuple(getattr(far_ood_train, 'shape', ()))}.")
         n_ood_src = n_ood_tr if protocol == "disjoint" else len(far_ood_train)
         src = "training set's OOD-class part" if protocol == "disjoint" else "far_ood_train set"
+        n_pool_ood = _pool_ood(n_holdout, n_id_te, n_ood_te, n_ood_src)
         for n, what in ((n_holdout, f"unlabeled pool's ID part (n_holdout={n_holdout})"),
-                        (min(n_holdout, n_ood_src), f"unlabeled pool's OOD part (the {src}, capped at n_holdout)")):
+                        (n_pool_ood, f"unlabeled pool's OOD part (the {src}, n_holdout times the test set's "
+                                     "OOD:ID ratio, at most all of it)")):
             if n <= n_val:
                 raise _too_large("n_val", n_val, n, what, "the first n_val go to validation, at least one "
                                  "must be left in the unlabeled set")
@@ -286,20 +297,20 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
     x_id_tr, y_id_tr = x_train[is_id_tr], relabel[y_train[is_id_tr]]
     x_id_te, y_id_te = x_test[is_id_te], relabel[y_test[is_id_te]]
     x_ood_te = x_test[is_ood_te]
+    p_id, p_ood = perm(n_id_te), perm(n_ood_te)  # the test set of every protocol
+    test_id_x, test_id_y, test_ood_x = x_id_te[p_id[n_val:]], y_id_te[p_id[n_val:]], x_ood_te[p_ood[n_val:]]
     if protocol == "transductive":
-        p_id, p_ood = perm(n_id_te), perm(n_ood_te)
-        test_id_x, test_id_y, test_ood_x = x_id_te[p_id[n_val:]], y_id_te[p_id[n_val:]], x_ood_te[p_ood[n_val:]]
         return ProtocolSplit(x_sup=x_id_tr, y_sup=y_id_tr, x_unsup=torch.cat([test_id_x, test_ood_x]),
                              val_id_x=x_id_te[p_id[:n_val]], val_id_y=y_id_te[p_id[:n_val]],
                              val_ood_x=x_ood_te[p_ood[:n_val]], test_id_x=test_id_x, test_id_y=test_id_y,
                              test_ood_x=test_ood_x, protocol=protocol)
 
-    p_id = perm(n_id_tr)
-    pool_id, sup = p_id[:n_holdout], p_id[n_holdout:]
+    p_tr = perm(n_id_tr)
+    pool_id, sup = p_tr[:n_holdout], p_tr[n_holdout:]
     ood_src = x_train[is_ood_tr] if protocol == "disjoint" else far_ood_train
-    pool_ood = perm(len(ood_src))[:n_holdout]  # cap: at most as many OOD as ID images in the pool
+    pool_ood = perm(len(ood_src))[:_pool_ood(n_holdout, n_id_te, n_ood_te, len(ood_src))]  # the test set's ratio
     return ProtocolSplit(x_sup=x_id_tr[sup], y_sup=y_id_tr[sup],
                          x_unsup=torch.cat([x_id_tr[pool_id[n_val:]], ood_src[pool_ood[n_val:]]]),
                          val_id_x=x_id_tr[pool_id[:n_val]], val_id_y=y_id_tr[pool_id[:n_val]],
-                         val_ood_x=ood_src[pool_ood[:n_val]], test_id_x=x_id_te, test_id_y=y_id_te,
-                         test_ood_x=x_ood_te, protocol=protocol)
+                         val_ood_x=ood_src[pool_ood[:n_val]], test_id_x=test_id_x, test_id_y=test_id_y,
+                         test_ood_x=test_ood_x, protocol=protocol)

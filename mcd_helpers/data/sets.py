@@ -3,11 +3,11 @@
 * ID: Fashion-MNIST (Xiao et al. 2017), looked for in three places, in order:
   1. ``$MCD_DATA_DIR/FashionMNIST/raw/`` (torchvision's layout; each of the four IDX files
      ``.gz`` or extracted), then the same folder in the writable fallback cache
-     (:func:`~mcd_helpers.datafiles.writable_cache_root`);
+     (:func:`~mcd_helpers.data.files.writable_cache_root`);
   2. the Debian package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist/``, ``.gz``);
   3. torchvision's download into the cache root (into a private folder, then renamed into place).
   The cache root is ``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers``. Files are read in
-  memory (:func:`~mcd_helpers.datafiles.read_idx`), never extracted to disk; a damaged file raises
+  memory (:func:`~mcd_helpers.data.files.read_idx`), never extracted to disk; a damaged file raises
   :class:`CorruptDataError` naming the file, what is wrong and the fix.
 * OOD sets that need no network, all 28x28 grayscale in [0, 1]: ``digits`` (scikit-learn's
   1,797 handwritten 8x8 digits, upsampled), ``photo_crops`` (random crops of scikit-learn's two
@@ -130,7 +130,7 @@ def _read_images_labels(images: Path, labels: Path, fix: str, n_classes: int = 1
 def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Fashion-MNIST as normalised tensors.
 
-    The IDX files are read in memory (``.gz`` or extracted, :func:`~mcd_helpers.datafiles.read_idx`);
+    The IDX files are read in memory (``.gz`` or extracted, :func:`~mcd_helpers.data.files.read_idx`);
     nothing is extracted to disk.
 
     Returns:
@@ -156,7 +156,7 @@ def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An ID data set by name as normalised tensors ``x: (N, C, H, W)``, ``y: (N,)``.
 
     ``fashion_mnist``: ``(N, 1, 28, 28)``; ``cifar10``/``cifar100``: ``(N, 3, 32, 32)``
-    (:func:`mcd_helpers.cifar.load_cifar`).
+    (:func:`mcd_helpers.data.cifar.load_cifar`).
 
     Raises:
         ValueError: on an unknown name.
@@ -232,12 +232,12 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
 
     For ``cifar10``/``cifar100``, ``(N, 3, 32, 32)``: ODIN's folders ``Imagenet``,
     ``Imagenet_resize``, ``LSUN``, ``LSUN_resize``, ``iSUN`` or noise ``gaussian``, ``uniform``
-    (:func:`mcd_helpers.cifar.load_cifar_ood`).
+    (:func:`mcd_helpers.data.cifar.load_cifar_ood`).
 
     Raises:
         ValueError: on an unknown name or ``n < 1``.
         DataNotFoundError: for ``mnist`` or an ODIN folder when it is neither on disk nor
-            downloadable (:class:`mcd_helpers.cifar.ChecksumError` for a corrupt archive).
+            downloadable (:class:`mcd_helpers.data.cifar.ChecksumError` for a corrupt archive).
     """
     if id_dataset in ("cifar10", "cifar100"):
         return load_cifar_ood(name, n, seed)

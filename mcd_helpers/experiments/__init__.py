@@ -1,4 +1,5 @@
 """Experiments: settings (``config``, ``presets``), the one pipeline every run goes through
-(``pipeline``), its cache (``cache``), the command-line run (``run``), baselines, reports and the
-paper's numbers.
+(``pipeline``), its cache (``cache``), the output folder (``outdir``), the command-line runs
+(``run``: reproduce, ``benchmark``: the near-OOD grid), baselines, statistics (``stats``),
+reports (``report``, ``tables``, ``plots``) and the paper's numbers (``paper``).
 """

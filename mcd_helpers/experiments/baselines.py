@@ -106,7 +106,7 @@ def odin_score(model: nn.Module, x: torch.Tensor, temperature: float = 1000.0, e
         temperature: T > 0 (ODIN: 1000).
         epsilon: perturbation size in pixel units (ODIN: 0.0014 for DenseNet on CIFAR-10).
         pixel_std: the std used to normalise ``x`` (one number or one per channel), e.g.
-            :data:`mcd_helpers.data.FMNIST_STD` or :data:`mcd_helpers.cifar.CIFAR_STD`.
+            :data:`mcd_helpers.data.sets.FMNIST_STD` or :data:`mcd_helpers.data.cifar.CIFAR_STD`.
         head: ``"F1"`` or ``"F2"`` for a two-head model.
 
     Shapes:
@@ -134,7 +134,7 @@ def tune_odin(model: nn.Module, val_id_x: torch.Tensor, val_ood_x: torch.Tensor,
     """Choose ODIN's (T, epsilon) by the AUROC on a validation split of ID and OOD images.
 
     ODIN tunes on OOD validation samples; here on the same validation split MCD uses for its
-    model selection (the first 1,000 of each set, :func:`~mcd_helpers.data.transductive_split`),
+    model selection (the first 1,000 of each set, :func:`~mcd_helpers.data.sets.transductive_split`),
     so both methods see the same data. Ties go to the first pair in grid order.
 
     Raises:

@@ -43,7 +43,7 @@ class MCDConfig:
         ConfigError: (a ``ValueError``) on a value that cannot work; its ``field`` names the field
             and ``flag`` the command-line flag. Checks that need the data (batch sizes and ``n_val``
             against the split, memory for ``ood_size``) run in
-            :func:`mcd_helpers.reproduce.check_sizes`, before any training.
+            :func:`mcd_helpers.experiments.run.check_sizes`, before any training.
     """
 
     # --- data ---
@@ -95,7 +95,7 @@ class MCDConfig:
     # A small_cnn checkpoint costs a few ms, so 50 steps keep it well under 1% of the run.
 
     # --- fast path: all off by default; on CPU only channels_last helps (small_cnn: about 1.3x
-    # faster training and 2x faster evaluation on 2 cores, benchmarks/run.py), the others are for GPUs ---
+    # faster training and 2x faster evaluation on 2 cores, benchmarks/channels_last.py); the others are for GPUs ---
     amp: str = "none"  # "bf16": bfloat16 autocast; bf16 has float32's range, so no loss scaling
     channels_last: bool = False  # NHWC memory format for model and batches (faster convs on tensor cores)
     compile: bool = False  # torch.compile the feature extractor G (dynamic=False: one graph per batch shape)
@@ -182,7 +182,7 @@ class MCDConfig:
     def check_ood_sets(self) -> None:
         """Raise :class:`~mcd_helpers.errors.ConfigError` (a ``ValueError``) naming the known sets if ``ood_sets`` holds a name the loaders lack.
 
-        Called by :func:`~mcd_helpers.reproduce.run_reproduction` before any work (not in
+        Called by :func:`~mcd_helpers.experiments.run.run_reproduction` before any work (not in
         ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names).
         """
         known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else CIFAR_OOD_SETS

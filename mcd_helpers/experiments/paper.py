@@ -75,7 +75,7 @@ OPENOOD_ROWS: list[dict] = [
 """OpenOOD v1.5's AUROC (%) of MCD and its peers (``oe``: outlier exposure); ID accuracy where
 given. From :data:`OPENOOD_SOURCE`."""
 
-# Our OOD set names for the paper's: ODIN's folder names (mcd_helpers.cifar).
+# Our OOD set names for the paper's: ODIN's folder names (mcd_helpers.data.cifar).
 CIFAR_OOD_NAMES = {"TINc": "Imagenet", "TINr": "Imagenet_resize", "LSUNc": "LSUN", "LSUNr": "LSUN_resize",
                    "iSUN": "iSUN"}
 # On CPU, Fashion-MNIST stands in for CIFAR-10; only the crop sets have an analog among the
@@ -101,7 +101,7 @@ def beside_paper(ours: Sequence[dict], id_dataset: str = "cifar10",
 
     Args:
         ours: result rows (metrics as fractions) with ``id_dataset``, ``ood_dataset``, ``method``
-            and ``strategy`` keys, e.g. from :func:`mcd_helpers.experiments.run_protocol`.
+            and ``strategy`` keys, e.g. from :func:`mcd_helpers.experiments.benchmark.run_benchmark`.
         id_dataset: our ID set to match (``cifar10`` for a faithful rerun, ``fashion_mnist``
             for the CPU stand-in).
         ood_names: paper OOD name -> our OOD set name; default :data:`CIFAR_OOD_NAMES` for CIFAR

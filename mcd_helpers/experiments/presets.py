@@ -1,6 +1,6 @@
 """Named run presets for ``python -m mcd_helpers reproduce --preset NAME``.
 
-Each preset is an :class:`~mcd_helpers.config.MCDConfig`; every field can still be overridden
+Each preset is an :class:`~mcd_helpers.experiments.config.MCDConfig`; every field can still be overridden
 on the command line (``--finetune-lr 0.1`` for the paper text's fine-tuning lr, for instance).
 
 * ``quick``: CPU-sized, Fashion-MNIST with ``small_cnn``.

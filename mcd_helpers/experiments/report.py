@@ -23,7 +23,7 @@ from .stats import GROUP_KEYS, forest_plot, paired_differences, plot_by_protocol
 __all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "forest_entries",
            "summary_text", "write_report"]
 
-KEYS = GROUP_KEYS + ("norm",)  # a group: task, class split, protocol, selection, method, network
+KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a group: task, class split, protocol, selection, method, OOD set, network
 COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"))
 METRICS = ("auroc", "fpr95", "id_accuracy")
 ALL_SPLITS = "all"  # class_split of the pairs pooled over every class split (pair = split and seed)
@@ -80,7 +80,7 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
     if field not in ("protocol", "selection"):
         raise ValueError(f"field must be 'protocol' or 'selection', got {field!r}.")
     other = "selection" if field == "protocol" else "protocol"
-    keys = ("task", "class_split", other, "method", "norm", "arm")
+    keys = ("task", "class_split", other, "method", "ood_dataset", "norm", "arm")
     mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows
             if r["task"] == task and r[field] in (a, b)]
     out = paired_differences(mine, a, b, metric, keys)
@@ -103,7 +103,7 @@ def _gap_table(rows: Sequence[dict], task: str) -> list[str]:
     for a, b in cols:
         for d in setting_differences(rows, "protocol", a, b, "auroc", task):
             if d["class_split"] == ALL_SPLITS or len({r["class_split"] for r in rows}) == 1:
-                by.setdefault((d["selection"], d["method"], d["norm"], d["arm"]), {})[(a, b)] = d
+                by.setdefault((d["selection"], d["method"], d["norm"], d["arm"]), {})[(a, b)] = d  # one OOD: held-out
     lines = [[sel, _method({"method": m, "norm": n, "strategy": arm})] + [_ci(ds[c], True) if c in ds else "-"
                                                                       for c in cols] for (sel, m, n, arm), ds in by.items()]
     return ["### What each protocol change does (paired by seed" + (" and split, pooled" if len(
@@ -130,11 +130,14 @@ def _method(g: dict) -> str:
 
 def _summary_tables(summary: list[dict]) -> list[str]:
     splits = len({g["class_split"] for g in summary}) > 1
+    oods = len({g["ood_dataset"] for g in summary}) > 1
     parts = []
     for selection in dict.fromkeys(g["selection"] for g in summary):
-        lines = [([g["class_split"]] if splits else []) + [g["protocol"], _method(g), g["n"]]
-                 + [_ci(g[m]) for m in METRICS] for g in summary if g["selection"] == selection]
-        header = (["split"] if splits else []) + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"]
+        lines = [([g["class_split"]] if splits else []) + ([g["ood_dataset"]] if oods else [])
+                 + [g["protocol"], _method(g), g["n"]] + [_ci(g[m]) for m in METRICS]
+                 for g in summary if g["selection"] == selection]
+        header = ((["split"] if splits else []) + (["OOD"] if oods else [])
+                  + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"])
         parts += [f"**Model selection: {selection}**", "", _table(header, lines), ""]
     return parts
 
@@ -142,16 +145,18 @@ def _summary_tables(summary: list[dict]) -> list[str]:
 def _paired_table(paired: list[dict]) -> list[str]:
     by: dict[tuple, dict] = {}
     for d in paired:
-        key = (d["class_split"], d["protocol"], d["selection"], d["norm"], d["a"], d["b"])
+        key = (d["class_split"], d["ood_dataset"], d["protocol"], d["selection"], d["norm"], d["a"], d["b"])
         by.setdefault(key, {})[d["metric"]] = d
-    splits = len({k[0] for k in by}) > 1
+    splits, oods = len({k[0] for k in by}) > 1, len({k[1] for k in by}) > 1
     lines = []
-    for (split, protocol, selection, norm, a, b), ds in by.items():
+    for (split, ood, protocol, selection, norm, a, b), ds in by.items():
         auroc = ds["auroc"]
         p = "n/a" if math.isnan(auroc["p_value"]) else f"{auroc['p_value']:.2g}"
-        lines.append(([split] if splits else []) + [protocol, selection, _NETWORKS[norm], f"{a} − {b}", auroc["n"]]
+        lines.append(([split] if splits else []) + ([ood] if oods else [])
+                     + [protocol, selection, _NETWORKS[norm], f"{a} − {b}", auroc["n"]]
                      + [_ci(ds[m], signed=True) for m in METRICS] + [p])
-    header = ((["split"] if splits else []) + ["protocol", "selection", "network", "difference", "pairs"]
+    header = ((["split"] if splits else []) + (["OOD"] if oods else [])
+              + ["protocol", "selection", "network", "difference", "pairs"]
               + [f"Δ{_NAMES[m]} (pp)" for m in METRICS] + ["p (AUROC)"])
     return [_table(header, lines)]
 

@@ -9,7 +9,7 @@ into an output folder.
    atomically), so the three always describe the same run.
 
 Before any training (every setting that can be checked is checked then, errors naming the flag):
-the output folder is locked for this run (``<out>/.lock``, :class:`~mcd_helpers.checkpoint.OutputLock`)
+the output folder is locked for this run (``<out>/.lock``, :class:`~mcd_helpers.training.checkpoint.OutputLock`)
 and ``<out>/run.json`` says ``"status": "running"`` (then ``finished``, ``partial``, ``interrupted``
 or ``failed``); ``--out``, the data folder and the cache folder are checked to be writable (a
 read-only data folder is read, and caches go to a writable fallback, which the log names); the

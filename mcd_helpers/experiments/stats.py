@@ -26,7 +26,7 @@ __all__ = ["GROUP_KEYS", "mean_ci", "paired_differences", "summarize", "summary_
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
 _LABELS = {"auroc": "AUROC", "fpr95": "FPR95", "id_accuracy": "ID acc.", "detection_error": "Detection error",
            "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}
-_PROTOCOL_ORDER = ("transductive", "disjoint", "unseen-ood")  # as mcd_helpers.nearood.PROTOCOLS
+_PROTOCOL_ORDER = ("transductive", "disjoint", "unseen-ood")  # as mcd_helpers.data.nearood.PROTOCOLS
 _PAIR_FIELDS = ("metric", "a", "b", "seeds", "diffs", "mean", "low", "high", "half_width", "n", "p_value")
 
 

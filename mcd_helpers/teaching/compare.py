@@ -16,8 +16,8 @@ updates its running statistics once per forward (see notebook 02).
 * :func:`coupling_matrix` -- how much each sample's output depends on each sample's input.
 * :func:`step_cost` -- time per step and peak memory of one strategy.
 
-The loss is Step B's (CE(F1) + CE(F2) + discrepancy loss), as in :func:`mcd_helpers.train.step_b_loss`;
-:func:`mcd_helpers.forwards.compare_forwards` is the same comparison for any number of batches and any loss.
+The loss is Step B's (CE(F1) + CE(F2) + discrepancy loss), as in :func:`mcd_helpers.steps.step_b_loss`;
+:func:`mcd_helpers.teaching.forwards.compare_forwards` is the same comparison for any number of batches and any loss.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ __all__ = ["StrategyComparison", "compare_strategies", "ComparisonTable", "coupl
 class StrategyComparison(ForwardsComparison):
     """One MCD Step B computed with ``"concat"`` and with ``"separate"`` forwards.
 
-    A :class:`~mcd_helpers.forwards.ForwardsComparison` of the two batches ``[x_sup, x_unsup]``
+    A :class:`~mcd_helpers.teaching.forwards.ForwardsComparison` of the two batches ``[x_sup, x_unsup]``
     with the Step B loss (CE1 + CE2 + discrepancy loss, nats) as ``loss_fn``, plus:
 
     Attributes:
@@ -119,7 +119,7 @@ def _check_batches(x_sup, y_sup, x_unsup) -> None:
 
 def _step_b_loss_fn(y_sup: torch.Tensor, margin: float, record: list | None = None):
     """``loss_fn`` of MCD's Step B over ``[(logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup)]``:
-    CE(F1) + CE(F2) + discrepancy loss (nats), the operations of :func:`mcd_helpers.train.step_b_loss`.
+    CE(F1) + CE(F2) + discrepancy loss (nats), the operations of :func:`mcd_helpers.steps.step_b_loss`.
     Appends ``{"ce", "dis", "gap"}`` of each call to ``record``."""
 
     def step_b(outputs: list) -> torch.Tensor:
@@ -143,9 +143,9 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
                        margin: float = 1.2, dtype: torch.dtype | None = None, seed: int = 0) -> StrategyComparison:
     """Compute one MCD Step B loss and its gradients with concatenated and with separate forwards.
 
-    The two-batch MCD case of :func:`~mcd_helpers.forwards.compare_forwards`: batches
+    The two-batch MCD case of :func:`~mcd_helpers.teaching.forwards.compare_forwards`: batches
     ``[x_sup, x_unsup]``, loss CE(F1) + CE(F2) on ``x_sup`` plus the discrepancy loss on
-    ``x_unsup``, the same operations as :func:`mcd_helpers.train.step_b_loss`. Works on any
+    ``x_unsup``, the same operations as :func:`mcd_helpers.steps.step_b_loss`. Works on any
     module whose ``forward`` returns ``(logits1, logits2)``. Each strategy runs on its own
     ``copy.deepcopy`` of ``model`` (gradients cleared), in the model's current train/eval mode, so
     the caller's parameters, buffers, ``.grad`` and global RNG state are untouched. Dropout draws
@@ -159,7 +159,7 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
         model: the two-head model (not modified).
         x_sup: labeled batch ``(N_sup, ...)``; y_sup: its labels ``(N_sup,)`` in ``[0, K)``.
         x_unsup: unlabeled batch ``(N_unsup, ...)``, same trailing shape as ``x_sup``.
-        margin: the discrepancy loss's margin m (nats), as in :func:`~mcd_helpers.train.step_b_loss`.
+        margin: the discrepancy loss's margin m (nats), as in :func:`~mcd_helpers.steps.step_b_loss`.
         dtype: run the copies (and inputs) in this floating dtype, e.g. ``torch.float64`` for
             tight checks; default: the model's own dtype. Inputs are moved to the model's device.
         seed: seed of the dropout masks.

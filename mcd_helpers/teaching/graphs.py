@@ -18,20 +18,14 @@ from collections import Counter
 import torch
 from torch import nn
 
+from ..errors import GraphTooLargeError, GraphvizMissingWarning
+
 __all__ = ["draw_graph", "graph_nodes", "graph_stats", "param_consumers", "GraphTooLargeError",
            "GraphvizMissingWarning", "DOT_INSTALL_HINT"]
 
 DOT_INSTALL_HINT = ("Install Graphviz's `dot` program to render the graph: `sudo apt-get install graphviz` "
                     "(Debian/Ubuntu), `conda install -c conda-forge graphviz` (conda), `brew install graphviz` "
                     "(macOS). Meanwhile the DOT source is returned; paste it into any Graphviz viewer.")
-
-
-class GraphTooLargeError(ValueError):
-    """The autograd graph has more nodes than a readable drawing can show; the message says how many."""
-
-
-class GraphvizMissingWarning(UserWarning):
-    """Graphviz's ``dot`` program is not installed: DOT source returned instead of a picture."""
 
 
 def _import_make_dot():

@@ -30,7 +30,7 @@ def compile_model(model: nn.Module, backend: str = "inductor") -> nn.Module:
     batch shapes of a run are few and fixed (pre-training and labeled batches, unlabeled batches,
     their concatenation, evaluation batches), each compiled once and then reused; no recompiles
     per step and no dynamic-shape kernels. A model compiled already is left as it is (so calling
-    :func:`~mcd_helpers.train.finetune` once per epoch compiles once). Returns ``model``.
+    :func:`~mcd_helpers.training.loop.finetune` once per epoch compiles once). Returns ``model``.
     """
     target = model.G if isinstance(getattr(model, "G", None), nn.Module) else model
     if getattr(target, "_compiled_call_impl", None) is None:  # set by nn.Module.compile: compile once

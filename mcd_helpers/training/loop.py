@@ -108,7 +108,7 @@ def pretrain(model: nn.Module, x: torch.Tensor, y: torch.Tensor, cfg, progress: 
     Args:
         model: a :class:`~mcd_helpers.models.TwoHeadNet` (trained in place, on ``cfg.device``).
         x: ``(N, C, H, W)`` images; y: ``(N,)`` labels.
-        cfg: an :class:`~mcd_helpers.config.MCDConfig` (``pretrain_*`` fields, ``seed``, ``device``,
+        cfg: an :class:`~mcd_helpers.experiments.config.MCDConfig` (``pretrain_*`` fields, ``seed``, ``device``,
             ``checkpoint_every`` and the fast-path fields).
         checkpoint: where to keep checkpoints (none when ``None``).
         resume: continue from ``checkpoint``'s last state when there is one.
