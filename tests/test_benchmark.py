@@ -20,7 +20,7 @@ from mcd_helpers.data.sets import DEBIAN_FMNIST_DIR
 from mcd_helpers.errors import CheckpointMismatchError, ConfigError, TrainingInterrupted, UnfinishedRunError
 from mcd_helpers.experiments import benchmark as bm
 from mcd_helpers.experiments.benchmark import BENCHMARK_PRESETS, Cell, cells_of, check_benchmark, run_benchmark
-from mcd_helpers.experiments.report import summary_text
+from mcd_helpers.experiments.report import benchmark_tables, summary_text
 from mcd_helpers.steps import STRATEGIES
 
 QUICK = "near-ood-quick"
@@ -38,6 +38,9 @@ QUICK = "near-ood-quick"
     (dict(class_splits=["012/2345"]), r"class\(es\) \[2\] are both ID and OOD \(overlap\)"),
     (dict(class_splits=["/0123"]), r"id_classes is empty"),
     (dict(class_splits=[]), r"the list of class splits is empty"),
+    (dict(protocols=["disjoint", "disjoint"]), r"protocol \['disjoint'\] given more than once"),
+    (dict(strategies=["separate", "concat", "separate"]), r"strategies \['separate'\] given more than once"),
+    (dict(class_splits=["a", "012345/6789"]), r"class splits 'a' and '012345/6789' are the same split"),
     (dict(seeds=1), r"seeds must be an integer from 2 \(a confidence interval needs two\) to 5 .*got 1"),
     (dict(seeds=6), r"to 5 \(preset 'near-ood-quick''s most\), got 6"),
 ])
@@ -170,8 +173,6 @@ def test_recalibrate_is_trained_once_with_separate_and_differs_only_in_its_stati
 def test_the_summary_numbers_are_the_rows_mean_and_t_interval(tiny_run):
     root, rows = tiny_run
     text = (root / "out" / "summary.md").read_text()
-    assert text == summary_text(rows, text.splitlines()[0][2:], json.loads((root / "out" / "run.json").read_text())
-                                ["seconds"])
     pick = [r for r in rows if (r["task"], r["protocol"], r["selection"], r["method"], r["strategy"], r["norm"])
             == ("near-ood", "disjoint", "ood-labels", "mcd", "concat", "batch")]
     a = np.array([r["auroc"] for r in sorted(pick, key=lambda r: r["seed"])])  # fractions, by seed
@@ -211,6 +212,8 @@ def test_finished_cells_are_reused_and_an_interrupted_run_resumes(tiny_run, tmp_
     again = run_benchmark(TINY, out, seeds=SEEDS, progress=False, quiet=True, resume=True)
     n_cells = len(cells_of(check_benchmark(TINY, seeds=SEEDS)))
     assert len(calls) == n_cells - 2  # the two finished cells were not run again
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "finished" and run["resumed"] and "error" not in run  # no stale error left
     assert again == rows  # the same numbers as the uninterrupted run
     # a finished folder: everything reused; a cell written with other settings is refused on resume
     calls.clear()
@@ -227,3 +230,24 @@ def test_cells_are_named_uniquely_and_readably():
     c = Cell(3, "012345/6789", "near-ood", "heldout", "unseen-ood")
     assert c.name == "near-ood_012345-6789_heldout_unseen-ood_seed3"
     assert dataclasses.replace(c, seed=4).name != c.name
+
+
+def _row(task, ood, seed, method, strategy, auroc, norm="batch"):
+    return {"task": task, "class_split": "a", "protocol": "transductive", "selection": "ood-labels",
+            "method": method, "strategy": strategy, "norm": norm, "seed": seed, "ood_dataset": ood,
+            "auroc": auroc, "fpr95": 1 - auroc, "id_accuracy": 0.9}
+
+
+def test_far_rows_of_several_ood_sets_are_summarised_apart():
+    # the full preset's far rows: three OOD sets share every other key; each is its own group
+    rows = [_row("far-ood", ood, seed, "mcd", s, base + 0.01 * seed + (0.02 if s == "concat" else 0.0))
+            for ood, base in (("digits", 0.9), ("gaussian", 0.5)) for seed in range(3) for s in ("separate", "concat")]
+    summary, paired = benchmark_tables(rows, "far-ood")
+    assert [(g["ood_dataset"], g["strategy"], g["n"]) for g in summary] == [
+        ("digits", "separate", 3), ("digits", "concat", 3), ("gaussian", "separate", 3), ("gaussian", "concat", 3)]
+    assert summary[0]["auroc"]["mean"] == pytest.approx(0.91) and summary[2]["auroc"]["mean"] == pytest.approx(0.51)
+    d = [x for x in paired if x["metric"] == "auroc"]
+    assert [(x["ood_dataset"], x["n"]) for x in d] == [("digits", 3), ("gaussian", 3)]
+    assert all(x["mean"] == pytest.approx(0.02) for x in d)
+    text = summary_text(rows, "t")
+    assert "| digits | transductive | MCD concat | 3 | 93.00 ± 2.48 |" in text  # t_{0.975,2} * 0.01 / sqrt(3) * 100

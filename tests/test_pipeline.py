@@ -178,8 +178,12 @@ def test_one_run_serves_both_selections_and_recalibrate_shares_the_separate_run(
     # the histories are one run's: the validation AUROC is recorded under both selections
     assert h_best.val_auroc == h_last.val_auroc and len(h_last.val_auroc) == TINY.finetune_epochs
     assert h_best.best_epoch == int(np.argmax(h_best.val_auroc)) and h_last.best_epoch == TINY.finetune_epochs - 1
-    if h_best.best_epoch != h_last.best_epoch:  # other epochs: other weights
-        assert any(not torch.equal(best.state_dict()[k], v) for k, v in last.state_dict().items())
+    # the cache file holds both weights; each selection loads its own
+    (path,) = (root / "cache").glob("finetune-*.pt")
+    state = torch.load(path, weights_only=True)
+    for model, which in ((best, "best"), (last, "last")):
+        for k, v in model.state_dict().items():
+            assert torch.equal(state[which][k], v.cpu()), (which, k)
     # recalibrate = the last-epoch model with running statistics recomputed on the first labeled images
     by_hand = recalibrate_bn(last, split.x_sup[:pipeline.RECALIBRATION_IMAGES], batch_size=TINY.batch_size_sup)
     for k, v in by_hand.state_dict().items():
@@ -201,3 +205,28 @@ def test_the_pretrain_key_follows_the_labeled_set_not_the_protocol_name():
     # the model selection never enters a key: both selections come from one fine-tuning
     assert cache_key(a, "finetune", ood="heldout", strategy="separate") == cache_key(
         dataclasses.replace(a, selection="last-epoch"), "finetune", ood="heldout", strategy="separate")
+
+
+def test_retrain_with_a_set_trains_each_stage_once_recalibrate_included(tiny, monkeypatch):
+    data, split, base, root = tiny
+    calls = []
+    real = pipeline.finetune
+    monkeypatch.setattr(pipeline, "finetune", lambda *a, **k: calls.append(a[5]) or real(*a, **k))
+    finetuned(TINY, base, split, "gaussian", "separate", progress=False, log=None)
+    assert calls == ["separate"]
+    retrained = set()  # one run with --retrain: recalibrate (first) trains the separate run again, once
+    for s in ("recalibrate", "separate", "recalibrate"):
+        finetuned(TINY, base, split, "gaussian", s, retrain=retrained, progress=False, log=None)
+    assert calls == ["separate", "separate"] and len(retrained) == 1
+
+
+def test_bad_strategy_norm_pairs_and_protocols_for_far_sets_are_refused():
+    with pytest.raises(ConfigError, match=r"split-bn and recalibrate change BatchNorm statistics and need "
+                                          r"norm='batch'; with norm='group'") as err:
+        dataclasses.replace(TINY, norm="group", strategies=("separate", "recalibrate"))
+    assert err.value.field == "strategies"
+    cfg = dataclasses.replace(TINY, class_split="a", protocol="disjoint", ood_sets=("heldout", "digits"))
+    with pytest.raises(ConfigError, match=r"protocol 'disjoint' applies to the held-out classes only; OOD set\(s\) "
+                                          r"\['digits'\] run under the transductive protocol"):
+        cfg.check_ood_sets()
+    dataclasses.replace(cfg, ood_sets=("heldout",)).check_ood_sets()  # the held-out classes alone: fine

@@ -132,8 +132,8 @@ def class_split(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
 class ProtocolSplit:
     """The data of one protocol: labelled, unlabeled, validation and test images.
 
-    Shapes: ``x_*`` ``(N_*, C, H, W)``; ``y_*`` ``(N_*,)`` int64, ID classes relabelled ``0..5`` in
-    the order of ``id_classes``. Held-out (OOD) classes never carry a label.
+    Shapes: ``x_*`` ``(N_*, C, H, W)``; ``y_*`` ``(N_*,)`` int64, ID classes relabelled ``0..k-1``
+    (``0..5`` for the named 6/4 splits) in the order of ``id_classes``. Held-out (OOD) classes never carry a label.
 
     Fields:
         x_sup, y_sup: labelled ID training images (pre-training and the supervised stream).

@@ -140,6 +140,10 @@ def _subset(name: str, asked, allowed: tuple[str, ...], valid: tuple[str, ...]) 
     bad = [v for v in asked if v not in valid]
     if not asked or bad:
         raise ConfigError(name, f"unknown {name} {bad or 'list (empty)'}; valid values: {', '.join(valid)}.")
+    twice = sorted({v for v in asked if asked.count(v) > 1})
+    if twice:
+        raise ConfigError(name, f"{name} {twice} given more than once (each would count twice in the "
+                                f"statistics); valid values: {', '.join(valid)}.")
     return asked
 
 
@@ -154,9 +158,10 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
             ``"IDS/OODS"``; protocols, strategies, selections: subsets of the valid values.
 
     Raises:
-        ConfigError: an unknown preset, protocol, strategy, selection or class split; an empty or
-            overlapping ID/OOD class list; fewer than 2 seeds (no confidence interval) or more than
-            the preset allows. The message lists the valid values.
+        ConfigError: an unknown preset, protocol, strategy, selection or class split; a value given
+            twice (also one split under two names); an empty or overlapping ID/OOD class list;
+            fewer than 2 seeds (no confidence interval) or more than the preset allows. The
+            message lists the valid values.
     """
     if preset not in BENCHMARK_PRESETS:
         raise ConfigError("preset", f"unknown benchmark preset {preset!r}; valid presets: "
@@ -169,8 +174,13 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
     splits = tuple(p.class_splits if class_splits is None else class_splits)
     if not splits:
         raise ConfigError("class_split", "the list of class splits is empty; name at least one (e.g. a).")
+    seen: dict = {}
     for s in splits:
-        class_split(s)  # raises ConfigError for unknown, empty or overlapping lists
+        classes = class_split(s)  # raises ConfigError for unknown, empty or overlapping lists
+        if classes in seen:
+            raise ConfigError("class_split", f"class splits {seen[classes]!r} and {s!r} are the same split (each "
+                                             "would count twice in the statistics); give each split once.")
+        seen[classes] = s
     chosen = _subset("strategies", strategies, p.strategies, STRATEGIES)
     return dataclasses.replace(
         p, seeds=n, class_splits=splits, protocols=_subset("protocol", protocols, p.protocols, PROTOCOLS),
@@ -198,11 +208,13 @@ def _npz(id_scores, ood_scores) -> bytes:
     return buf.getvalue()
 
 
-def _run_cell(p: BenchmarkPreset, cell: Cell, data, out_dir: Path, retrain: bool, progress: bool,
+def _run_cell(p: BenchmarkPreset, cell: Cell, data, out_dir: Path, retrained: bool | set, progress: bool,
               resume: bool) -> list[dict]:
     """Train (or load) everything of ``cell``; its rows, with their scores written to ``out_dir/scores``.
 
-    Each network is evaluated once per distinct model: MSP and energy score the pre-trained
+    ``retrained``: ``False``, or the run's set of cache files trained again so far (``--retrain``:
+    each stage once, :func:`~mcd_helpers.experiments.cache.load_or_compute`). Each network is
+    evaluated once per distinct model: MSP and energy score the pre-trained
     network, the same under every selection; an MCD model whose selected epoch is the same under
     two selections (the best validation epoch was the last) is the same model, scored once.
     """
@@ -217,7 +229,7 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out_dir: Path, retrain: bool
     for norm, strats, methods in networks:
         c = dataclasses.replace(cfg, norm=norm, strategies=tuple(strats))
         stem = f"{cell.name}_{norm}"
-        base = pretrained(c, split, retrain, progress, None, ckpt / f"{stem}_pretrain", resume)
+        base = pretrained(c, split, retrained, progress, None, ckpt / f"{stem}_pretrain", resume)
         hists, done = {}, {}  # strategy -> history; (method, strategy, selected epoch) -> (row, scores)
         for i, selection in enumerate(p.selections):
             cs = dataclasses.replace(c, selection=selection)
@@ -225,9 +237,8 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out_dir: Path, retrain: bool
             for s in strats:
                 epoch = selected_epoch(hists[s], c.finetune_epochs - 1, selection) if s in hists else None
                 if epoch is None or ("mcd", s, epoch) not in done:
-                    tuned[s], hists[s], _ = finetuned(cs, base, split, cell.ood, s, retrain and i == 0 and
-                                                      s == trained_as(s), progress, None, None,
-                                                      ckpt / f"{stem}_{trained_as(s)}", resume)
+                    tuned[s], hists[s], _ = finetuned(cs, base, split, cell.ood, s, retrained, progress, None,
+                                                      None, ckpt / f"{stem}_{trained_as(s)}", resume)
             wanted = [m for m in methods if m != "mcd" and (i == 0 or m == "odin")] + ["mcd"] * ("mcd" in methods)
             found, scores = evaluate(cs, base, tuned, split, cell.ood, wanted)
             for r in found:
@@ -295,20 +306,24 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
                 "config": p.config.to_dict()}
     t0 = time.time()
     try:
-        prepare_out(out_dir, lock, _Settings(settings), resume, fresh, quiet)  # the lock is released below
+        prepare_out(out_dir, lock, settings, resume, fresh, quiet)  # the lock is released below
         try:
             data = load_data(p.config)
-            rows, cells = [], cells_of(p)
+            cells = cells_of(p)
+            _check_sizes(p, cells, data)  # every split of the grid, before any training
+            retrained = set() if retrain else False  # --retrain: each cached stage once in this run
+            rows = []
             for cell in tqdm(cells, desc=f"benchmark {preset}", disable=not progress, unit="cell"):
-                rows += _cell(p, cell, data, out_dir, retrain, progress, resume, log)
+                rows += _cell(p, cell, data, out_dir, retrained, progress, resume, log)
+            seconds = round(time.time() - t0, 1)
+            # the report first: results.json (the last file) then always has its summary beside it
+            write_report(rows, out_dir, title=f"Benchmark {preset}: {p.about}", seconds=seconds)
+            atomic_write_json(out_dir / "config.json", settings)
+            atomic_write_text(out_dir / "results.json", json.dumps(rows, indent=1, allow_nan=False) + "\n")
         except BaseException as err:
             status = "interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed"
             write_run(out_dir, status=status, error=f"{type(err).__name__}: {err}")
             raise
-        seconds = round(time.time() - t0, 1)
-        atomic_write_json(out_dir / "config.json", settings)
-        atomic_write_text(out_dir / "results.json", json.dumps(rows, indent=1, allow_nan=False) + "\n")
-        write_report(rows, out_dir, title=f"Benchmark {preset}: {p.about}", seconds=seconds)
         write_run(out_dir, status="finished", seconds=seconds, cells=len(cells), rows=len(rows))
         log(f"{len(rows)} rows from {len(cells)} cells in {seconds:.0f} s: {out_dir / 'summary.md'}")
     finally:
@@ -316,23 +331,32 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
     return rows
 
 
-class _Settings:
-    """What ``prepare_out`` stores in ``run.json`` (it calls ``to_dict()``)."""
+def _check_sizes(p: BenchmarkPreset, cells: list[Cell], data) -> None:
+    """Make every (class split, task, protocol) split once and check the batch sizes against it.
 
-    def __init__(self, settings: dict):
-        self._settings = settings
+    Raises:
+        ConfigError: a split the data cannot make (``n_val`` or ``n_holdout`` too large, see
+            :func:`~mcd_helpers.data.nearood.protocol_split`), or a batch larger than its set.
+    """
+    c = p.config
+    for cell in {dataclasses.replace(cell, seed=0) for cell in cells}:
+        split = make_split(dataclasses.replace(c, class_split=cell.class_split, protocol=cell.protocol), data,
+                           cell.ood)
+        for name, batch, n in (("pretrain_batch_size", c.pretrain_batch_size, len(split.x_sup)),
+                               ("batch_size_sup", c.batch_size_sup, len(split.x_sup)),
+                               ("batch_size_unsup", c.batch_size_unsup, len(split.x_unsup))):
+            if batch > n:
+                raise ConfigError(name, f"{name}={batch} is larger than the {n} images of {cell.name}'s "
+                                        f"{'unlabeled' if 'unsup' in name else 'labeled'} set.")
 
-    def to_dict(self) -> dict:
-        return self._settings
 
-
-def _cell(p, cell: Cell, data, out_dir: Path, retrain, progress, resume, log) -> list[dict]:
+def _cell(p, cell: Cell, data, out_dir: Path, retrained, progress, resume, log) -> list[dict]:
     """A finished cell from ``out_dir/cells`` when its settings match, else :func:`_run_cell` (and saved)."""
     key = cache_key(dataclasses.replace(p.config, class_split=cell.class_split, protocol=cell.protocol,
                                         seed=cell.seed), "cell", cell=dataclasses.asdict(cell),
                     grid=[p.strategies, p.reference, p.far_strategies, p.selections, p.config.extra])
     path = out_dir / CELLS / f"{cell.name}.json"
-    if path.exists() and not retrain:
+    if path.exists() and retrained is False:
         saved = json.loads(path.read_text())
         if saved.get("key") == key and all((out_dir / r["scores"]).exists() for r in saved["rows"]):
             return saved["rows"]
@@ -341,7 +365,7 @@ def _cell(p, cell: Cell, data, out_dir: Path, retrain, progress, resume, log) ->
                 f"{path} was written with other settings than this run's (preset, grid or sizes). Resume with "
                 "the settings of the interrupted run, or pass --fresh to start over.")
     t0 = time.time()
-    rows = _run_cell(p, cell, data, out_dir, retrain, progress, resume)
+    rows = _run_cell(p, cell, data, out_dir, retrained, progress, resume)
     atomic_write_json(path, {"key": key, "seconds": round(time.time() - t0, 1), "rows": rows})
     log(f"{cell.name}: {len(rows)} rows in {time.time() - t0:.0f} s")
     return rows

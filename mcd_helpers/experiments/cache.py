@@ -57,9 +57,13 @@ def cache_path(cfg, stage: str, **more) -> Path:
     return writable_cache_root()[0] / "cache" / f"{stage}-{cache_key(cfg, stage, **more)}.pt"
 
 
-def load_or_compute(cfg, stage: str, compute: Callable[[], dict], retrain: bool = False,
+def load_or_compute(cfg, stage: str, compute: Callable[[], dict], retrain: bool | set = False,
                     log: Callable[[str], None] | None = print, **more) -> dict:
     """``stage``'s result: loaded from the cache when there (and ``retrain`` is False), else ``compute()``.
+
+    ``retrain``: ``False`` loads what is cached; ``True`` computes again; a set (one per run, e.g.
+    ``python -m mcd_helpers reproduce --retrain``) computes each cache file again once: the first
+    time its name is met it is computed and added to the set, later calls load it.
 
     ``compute`` returns a checkpoint-safe dict (tensors, numbers, strings, lists, dicts), written
     atomically by rank 0. Under torchrun rank 0 decides whether the cache is used, so all ranks
@@ -71,6 +75,9 @@ def load_or_compute(cfg, stage: str, compute: Callable[[], dict], retrain: bool 
     """
     path = cache_path(cfg, stage, **more)
     name = path.name
+    if isinstance(retrain, set):
+        again, _ = name not in retrain, retrain.add(name)
+        retrain = again
     found = None if retrain else on_rank0_first(
         lambda: next((p for p in [r / "cache" / name for r in data_roots()] + [path] if p.exists()), None))
     if found is not None:

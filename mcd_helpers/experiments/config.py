@@ -21,16 +21,16 @@ __all__ = ["MCDConfig", "STRATEGIES", "SCHEDULES", "AMP_MODES", "RUN_FIELDS", "P
 
 SCHEDULES = ("official", "step_b")
 AMP_MODES = ("none", "bf16")
-# Fields that say how to run, not what to compute: left out of the cache key
-# (:func:`mcd_helpers.experiments.cache.cache_key`), so they may change between an interrupted run and
-# its resume, or between a notebook and the command line. num_threads, eval_batch_size and the GPU
-# options change the numbers only at float rounding level (~1e-7 on gradients between 1 and 2 CPU
-# threads). The world size and sync_bn enter the key under torchrun. selection only picks which of the two
-# weights a fine-tuning keeps (best validation AUROC or last epoch): the training is the same.
 # What determines the pre-trained network (its cache key); the other fields only change fine-tuning.
 PRETRAIN_FIELDS = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
                    "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed", "train_subset", "amp",
                    "class_split", "protocol", "n_holdout", "split_seed")
+# Fields that say how to run, not what to compute: left out of the cache key
+# (:func:`mcd_helpers.experiments.cache.cache_key`), so they may change between an interrupted run and
+# its resume, or between a notebook and the command line. num_threads, eval_batch_size and the GPU
+# options change the numbers only at float rounding level (~1e-7 on gradients between 1 and 2 CPU
+# threads). The world size and sync_bn enter the key under torchrun. selection only picks which of
+# the two weights a fine-tuning keeps (best validation AUROC or last epoch): the training is the same.
 RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
               "compile", "data_on_device", "extra", "ood_sets", "strategies")
 
@@ -137,6 +137,9 @@ class MCDConfig:
             ("train_subset", self.train_subset >= 0, f"train_subset must be >= 0 (0 = all training images), got {self.train_subset}"),
             ("test_subset", self.test_subset >= 0, f"test_subset must be >= 0 (0 = the whole test set), got {self.test_subset}"),
             ("id_dataset", self.id_dataset in ID_DATASETS, f"id_dataset must be one of {ID_DATASETS}, got {self.id_dataset!r}"),
+            ("strategies", self.norm == "batch" or not {"split-bn", "recalibrate"} & set(self.strategies),
+             f"strategies split-bn and recalibrate change BatchNorm statistics and need norm='batch'; with "
+             f"norm={self.norm!r} use separate or concat (they are equal without BatchNorm), got {tuple(self.strategies)}"),
             ("norm", self.model == "small_cnn" or self.norm == "batch",
              f"norm={self.norm!r} applies to small_cnn only; {self.model} always uses BatchNorm (leave norm=batch)"),
             ("n_val", self.n_val >= 1, f"n_val must be >= 1 validation sample of each of ID and OOD (official: 1000), got {self.n_val}"),
@@ -188,6 +191,12 @@ class MCDConfig:
         known = OFFLINE_OOD_SETS + ("mnist",) if self.id_dataset == "fashion_mnist" else CIFAR_OOD_SETS
         if self.class_split:
             known = known + ("heldout",)  # the held-out classes of the class split
+        if self.protocol != "transductive":
+            far = [name for name in self.ood_sets if name != "heldout"]
+            if far:
+                raise ConfigError("ood_sets", f"protocol {self.protocol!r} applies to the held-out classes only; "
+                                              f"OOD set(s) {far} run under the transductive protocol. Pass "
+                                              "--ood-sets heldout (or --protocol transductive).")
         unknown = [name for name in self.ood_sets if name not in known]
         if unknown:
             raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")

@@ -18,7 +18,7 @@ from ..data.files import check_writable
 from ..errors import UnfinishedRunError
 from ..training.checkpoint import OutputLock, atomic_write_json
 
-__all__ = ["read_run", "write_run", "unfinished_work", "prepare_out", "CELLS"]
+__all__ = ["read_run", "write_run", "unfinished_work", "prepare_out", "CELLS", "OUTPUTS"]
 
 CELLS = "cells"  # <out>/cells/<cell>.json: the rows of a finished benchmark cell
 
@@ -57,10 +57,16 @@ def write_run(out_dir: Path, **fields) -> None:
                                              "updated": datetime.datetime.now().isoformat(timespec="seconds")})
 
 
-def prepare_out(out_dir: Path, lock: OutputLock, cfg, resume: bool, fresh: bool, quiet: bool) -> None:
+OUTPUTS = ("results.json", "results.md", "summary.md", "config.json", "forest.png", "by_protocol.png")
+"""What a finished run leaves in ``--out`` besides ``checkpoints/``, ``cells/`` and ``scores/``
+(``--fresh`` deletes these too, with the ``hist_*.png`` / ``roc_*.png`` plots of ``reproduce``)."""
+
+
+def prepare_out(out_dir: Path, lock: OutputLock, settings: dict, resume: bool, fresh: bool, quiet: bool) -> None:
     """Rank 0: ``--out`` writable, locked, no unfinished run in the way; ``run.json`` says running.
 
-    ``cfg`` has ``to_dict()`` (stored in ``run.json``).
+    ``settings`` (plain JSON data) are stored in ``run.json``; fields of an earlier run's
+    ``run.json`` that describe how it ended (``error``, ``seconds``, counts) are dropped.
 
     Raises:
         NotWritableError, OutputLockedError, UnfinishedRunError (nothing deleted).
@@ -77,11 +83,15 @@ def prepare_out(out_dir: Path, lock: OutputLock, cfg, resume: bool, fresh: bool,
                 f"{out_dir} holds checkpoints of an unfinished run ({shown}). Pass --resume to continue it "
                 "(same settings), or --fresh to delete them and start over, or choose another --out. "
                 "Nothing was deleted.")
-        for folder in (out_dir / "checkpoints", out_dir / CELLS):
+        _log(f"--fresh: deleting the checkpoints, finished cells and results of the earlier run in {out_dir}", quiet)
+    if fresh:
+        for folder in (out_dir / "checkpoints", out_dir / CELLS, out_dir / "scores"):
             if folder.exists():
                 shutil.rmtree(folder)
-        _log(f"--fresh: deleted the checkpoints and finished cells of the earlier run in {out_dir}", quiet)
-    if fresh:
-        (out_dir / "run.json").unlink(missing_ok=True)
+        for path in [out_dir / name for name in OUTPUTS + ("run.json",)] + sorted(out_dir.glob("hist_*.png")) + sorted(
+                out_dir.glob("roc_*.png")):
+            path.unlink(missing_ok=True)
+    ended = ("error", "seconds", "cells", "rows", "failures")
+    atomic_write_json(out_dir / "run.json", {k: v for k, v in read_run(out_dir).items() if k not in ended})
     write_run(out_dir, status="running", pid=os.getpid(), resumed=bool(resume),
-               started=datetime.datetime.now().isoformat(timespec="seconds"), config=cfg.to_dict(), failures={})
+              started=datetime.datetime.now().isoformat(timespec="seconds"), config=settings, failures={})

@@ -6,7 +6,7 @@ The command line (:mod:`mcd_helpers.experiments.run`), the notebooks, torchrun a
     data = load_data(cfg)                                # ID train / test images (subsets if asked)
     split = make_split(cfg, data, ood)                   # labeled, unlabeled, validation, test
     base = pretrained(cfg, split)                        # cached: "pretrain" stage
-    tuned, hist = finetuned(cfg, base, split, ood, s)    # cached: "finetune" stage, per strategy s
+    tuned, hist, secs = finetuned(cfg, base, split, ood, s)  # cached: "finetune" stage, per strategy s
     rows, scores = evaluate(cfg, base, {s: tuned}, split, ood)
 
 so a notebook that shows a preset's numbers gets exactly what the command line gets for it (same
@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..data.nearood import ProtocolSplit, class_split, protocol_split
+from ..data.nearood import CLASS_SPLITS, SELECTIONS, ProtocolSplit, class_split, protocol_split
 from ..data.sets import FMNIST_STD, load_id, load_ood, transductive_split
 from ..errors import ConfigError, CorruptCheckpointError
 from ..losses import discrepancy_score, energy_score, msp_score
@@ -32,7 +32,7 @@ from ..metrics import ood_metrics
 from ..models import TwoHeadNet, build_model
 from ..norms import per_source_batchnorm, recalibrate_bn
 from ..training.checkpoint import RollingCheckpoint
-from ..training.distributed import average_buffers, gather_scores, on_rank0_first
+from ..training.distributed import average_buffers, gather_scores, is_main_process, on_rank0_first
 from ..steps import check_strategy
 from ..training.loop import FinetuneHistory, finetune, predict_logits, pretrain, set_seed
 from .baselines import BASELINES, ODIN_EPSILONS, ODIN_TEMPERATURES, OdinParams, odin_score, tune_odin
@@ -98,8 +98,9 @@ def make_split(cfg, data: Data, ood: str) -> ProtocolSplit:
     """
     if ood == HELD_OUT:
         if not cfg.class_split:
-            raise ConfigError("class_split", f"OOD set {HELD_OUT!r} (held-out classes) needs a class_split "
-                                             "(--class-split a).")
+            raise ConfigError("class_split", f"OOD set {HELD_OUT!r} (held-out classes) needs a class_split: one "
+                                             f"of {', '.join(CLASS_SPLITS)} or a written 'IDS/OODS' such as "
+                                             "'012345/6789' (--class-split a).")
         id_classes, ood_classes = class_split(cfg.class_split)
         far = None
         if cfg.protocol == "unseen-ood":
@@ -134,7 +135,7 @@ def _build(cfg, split: ProtocolSplit, strategy: str | None = None) -> TwoHeadNet
     return per_source_batchnorm(model) if strategy == "split-bn" else model
 
 
-def pretrained(cfg, split: ProtocolSplit, retrain: bool = False, progress: bool = True,
+def pretrained(cfg, split: ProtocolSplit, retrain: bool | set = False, progress: bool = True,
                log: Callable[[str], None] | None = print, checkpoint_dir=None, resume: bool = False) -> TwoHeadNet:
     """The network pre-trained on ``split.x_sup, split.y_sup`` (CE on both heads), from the cache or trained.
 
@@ -156,11 +157,11 @@ def pretrained(cfg, split: ProtocolSplit, retrain: bool = False, progress: bool 
                           key=cache_key(cfg, "pretrain"))
         _log(log, f"pre-trained {cfg.model} for {cfg.pretrain_epochs} epochs in {time.time() - t0:.0f} s "
                   f"(last epoch's loss {losses[-1]:.3f} nats)")
-        if ckpt is not None:
-            ckpt.clear()  # the cache now holds the result
         return {"model": {k: v.cpu() for k, v in model.state_dict().items()}, "losses": losses}
 
     state = load_or_compute(cfg, "pretrain", compute, retrain, log)
+    if checkpoint_dir is not None and is_main_process():
+        RollingCheckpoint(checkpoint_dir).clear()  # the cache holds the result now (also any leftover)
     model = _build(cfg, split)
     try:
         model.load_state_dict(state["model"])
@@ -176,6 +177,8 @@ def pretrained(cfg, split: ProtocolSplit, retrain: bool = False, progress: bool 
 
 def selected_epoch(hist: FinetuneHistory, upto: int, selection: str) -> int:
     """The epoch (<= ``upto``) whose weights ``selection`` keeps: best validation AUROC (first of ties) or the last."""
+    if selection not in SELECTIONS:
+        raise ConfigError("selection", f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}.")
     if selection == "last-epoch" or not hist.val_auroc:
         return upto
     return max(range(upto + 1), key=lambda i: (hist.val_auroc[i], -i))
@@ -195,7 +198,7 @@ def trained_as(strategy: str) -> str:
     return "separate" if strategy == "recalibrate" else strategy
 
 
-def finetuned(cfg, base: nn.Module, split: ProtocolSplit, ood: str, strategy: str, retrain: bool = False,
+def finetuned(cfg, base: nn.Module, split: ProtocolSplit, ood: str, strategy: str, retrain: bool | set = False,
               progress: bool = True, log: Callable[[str], None] | None = print,
               on_epoch: Callable[[int, FinetuneHistory], None] | None = None, checkpoint_dir=None,
               resume: bool = False) -> tuple[TwoHeadNet, FinetuneHistory, float]:
@@ -230,13 +233,13 @@ def finetuned(cfg, base: nn.Module, split: ProtocolSplit, ood: str, strategy: st
                         resume=resume, key=cache_key(cfg, "finetune", ood=ood, strategy=trained), on_epoch=on_epoch,
                         states_out=states)
         seconds = round(time.time() - t0, 1)
-        if ckpt is not None:
-            ckpt.clear()
         cpu = lambda sd: {k: v.cpu() for k, v in sd.items()}  # noqa: E731
         return {"best": cpu(states["best"]), "last": cpu(states["last"]), "history": dataclasses.asdict(hist),
                 "seconds": seconds}
 
     state = load_or_compute(cfg, "finetune", compute, retrain, log, ood=ood, strategy=trained)
+    if checkpoint_dir is not None and is_main_process():
+        RollingCheckpoint(checkpoint_dir).clear()  # the cache holds the result now (also any leftover)
     hist = FinetuneHistory(**state["history"])
     hist.best_epoch = selected_epoch(hist, cfg.finetune_epochs - 1, cfg.selection)
     if on_epoch is not None and "loaded_from" in state:  # loaded from the cache: show its epochs
@@ -268,6 +271,8 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: ProtocolS
     ``ood-labels``; under ``last-epoch`` (no OOD labels) ODIN's published T = 1000, epsilon = 0.0014.
     ``id_accuracy`` is F1's accuracy on the ID test images (the base network's for the baselines).
     Score names: the method (``"msp"``, ...) and ``"mcd:<strategy>"``; each ``(N,)``, higher = more OOD.
+    ``base`` and the ``tuned`` models are moved to ``cfg.device`` in place (and to the
+    channels_last layout when ``cfg.channels_last``); their weights are not changed.
 
     Returns:
         ``(rows, scores)``; rows in the order msp, odin, energy, then mcd per strategy, metrics
@@ -311,13 +316,14 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: ProtocolS
     return rows, scores
 
 
-def run_ood_set(cfg, data: Data, ood: str, strategies: Sequence[str] | None = None, retrain: bool = False,
+def run_ood_set(cfg, data: Data, ood: str, strategies: Sequence[str] | None = None, retrain: bool | set = False,
                 progress: bool = True, log: Callable[[str], None] | None = print, on_epoch=None,
                 checkpoint_dir=None, resume: bool = False, methods: Sequence[str] = METHODS):
     """One OOD set end to end: split, pre-trained network, MCD per strategy, evaluation.
 
     ``on_epoch(strategy, epoch, history)`` when given; ``checkpoint_dir``: a folder that gets
-    ``pretrain/`` and ``mcd-<ood>-<strategy>/`` rolling checkpoints (resumable with ``resume``).
+    ``pretrain/`` and ``mcd-<ood>-<trained strategy>/`` rolling checkpoints (``recalibrate`` shares
+    ``separate``'s; resumable with ``resume``; removed once the stage is in the cache).
 
     Returns:
         ``(rows, scores, models, histories)``: see :func:`evaluate`; ``models`` has ``"base"`` and
@@ -332,8 +338,8 @@ def run_ood_set(cfg, data: Data, ood: str, strategies: Sequence[str] | None = No
     tuned, hists, secs = {}, {}, {}
     for s in (strategies if "mcd" in methods else ()):
         cb = None if on_epoch is None else (lambda e, h, s=s: on_epoch(s, e, h))
-        tuned[s], hists[s], secs[s] = finetuned(cfg, base, split, ood, s, retrain and s == trained_as(s), progress,
-                                                 log, cb, sub(f"mcd-{ood}-{trained_as(s)}"), resume)
+        tuned[s], hists[s], secs[s] = finetuned(cfg, base, split, ood, s, retrain, progress, log, cb,
+                                                 sub(f"mcd-{ood}-{trained_as(s)}"), resume)
     rows, scores = evaluate(cfg, base, tuned, split, ood, methods)
     for r in rows:
         if r["method"] == "mcd":

@@ -145,16 +145,19 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                      quiet: bool = False, resume: bool = False, fresh: bool = False) -> list[dict]:
     """Run the whole reproduction for ``cfg`` and write the results into ``out_dir``.
 
-    Checkpoints go to ``out_dir/checkpoints/``: ``pretrain/`` while pre-training (the result goes
-    to the cache), ``mcd-<ood>-<strategy>/`` while fine-tuning and ``mcd-<ood>-<strategy>.pt`` once
-    a fine-tuning stage is done. ``resume=True`` continues an interrupted run from them: finished
-    stages are reloaded, the interrupted one continues from its last checkpoint, exactly (on the
-    CPU the results equal those of an uninterrupted run). ``fresh=True`` deletes them and starts
-    over; with neither, a run that finds them stops (nothing is deleted silently).
+    Rolling checkpoints go to ``out_dir/checkpoints/``: ``pretrain/`` while pre-training,
+    ``mcd-<ood>-<strategy>/`` while fine-tuning; a finished stage goes to the cache
+    (:mod:`mcd_helpers.experiments.cache`) and its checkpoints are removed. ``resume=True``
+    continues an interrupted run: finished stages are loaded from the cache, the interrupted one
+    continues from its last checkpoint, exactly (on the CPU the results equal those of an
+    uninterrupted run). ``fresh=True`` deletes the checkpoints and the earlier results and starts
+    over; with neither, a run that finds checkpoints stops (nothing is deleted silently).
+    ``retrain=True`` computes every stage again, each once.
 
     Returns:
-        the result rows (also in ``out_dir/results.json``): one ``msp`` row per OOD set and one
-        ``mcd`` row per OOD set and strategy, metrics as fractions (see :mod:`mcd_helpers.metrics`).
+        the result rows (also in ``out_dir/results.json``): per OOD set one row each for ``msp``,
+        ``odin`` and ``energy`` (the pre-trained network) and one ``mcd`` row per strategy, metrics
+        as fractions (see :mod:`mcd_helpers.metrics`).
 
     Raises:
         ConfigError: (a ValueError) on a setting that cannot work: an unknown OOD set, a device
@@ -191,7 +194,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     lock = OutputLock(out_dir)
     try:
         # ---- before any training: --out, the caches, the data, every OOD set, the sizes ----
-        on_rank0_first(lambda: prepare_out(out_dir, lock, cfg, resume, fresh, quiet) if is_main_process() else None)
+        on_rank0_first(lambda: prepare_out(out_dir, lock, cfg.to_dict(), resume, fresh, quiet) if is_main_process() else None)
         try:
             _, note = on_rank0_first(writable_cache_root)
             if note:
@@ -232,9 +235,10 @@ def _train_and_evaluate(cfg, env, out_dir, data, retrain, progress, quiet, resum
     id_name = _ID_NAMES.get(cfg.id_dataset, cfg.id_dataset)
     rows: list[dict] = []
     failures: dict[str, str] = {}
+    retrained = set() if retrain else False  # --retrain: each cached stage once (OOD sets share the pre-training)
     for ood in cfg.ood_sets:
         try:
-            ood_rows, scores, _, _ = run_ood_set(cfg, data, ood, retrain=retrain, progress=progress, log=log,
+            ood_rows, scores, _, _ = run_ood_set(cfg, data, ood, retrain=retrained, progress=progress, log=log,
                                                  checkpoint_dir=out_dir / "checkpoints", resume=resume)
             for r in ood_rows:
                 r["world_size"] = env.world_size
