@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 from ..training.checkpoint import atomic_write_bytes, atomic_write_text
 from .stats import GROUP_KEYS, forest_plot, paired_differences, plot_by_protocol, summarize
 
-__all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "forest_entries",
+__all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "pooled_summary", "pivot_markdown", "forest_entries",
            "summary_text", "write_report"]
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a group: task, class split, protocol, selection, method, OOD set, network
@@ -88,6 +88,29 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
         pooled = [{**r, "class_split": ALL_SPLITS, "seed": f"{r['class_split']}:{r['seed']}"} for r in mine]
         out += paired_differences(pooled, a, b, metric, keys)
     return out
+
+
+def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
+    """:func:`~mcd_helpers.experiments.stats.summarize` of ``task``'s rows over every class split and
+    seed together (one value per split and seed), per protocol, selection, method, network and strategy.
+
+    Raises:
+        ValueError: as :func:`~mcd_helpers.experiments.stats.summarize`.
+    """
+    keys = ("task", "protocol", "selection", "method", "ood_dataset", "norm", "strategy")
+    return summarize([r for r in rows if r["task"] == task], METRICS, keys)
+
+
+def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
+    """One line per method (and strategy, network), one column per protocol: ``metric`` in %, mean ± CI."""
+    entries = [g for g in summary if g["selection"] == selection]
+    protocols = list(dict.fromkeys(g["protocol"] for g in entries))
+    by: dict[str, dict] = {}
+    for g in entries:
+        by.setdefault(_method(g), {})[g["protocol"]] = g
+    lines = [[name, min(g["n"] for g in cells.values())] + [_ci(cells[p][metric]) if p in cells else "-"
+                                                           for p in protocols] for name, cells in by.items()]
+    return _table(["method", "n", *[f"{p}: {_NAMES.get(metric, metric)} (%)" for p in protocols]], lines)
 
 
 PROTOCOL_GAPS = (("transductive", "disjoint"), ("disjoint", "unseen-ood"))

@@ -1,7 +1,6 @@
-"""Tables and figures of notebooks 04-05's results (Markdown tables, matplotlib figures; values in %).
+"""Tables of notebooks 04-05's results (Markdown; values in %).
 
 * :func:`methods_markdown` -- MCD against the baselines, one line per OOD set.
-* :func:`ablation_markdown`, :func:`plot_ablation` -- the Step B strategy ablation over seeds.
 * :func:`config_markdown` -- a config's main settings as a two-column table.
 
 Result rows are those of :mod:`mcd_helpers.experiments` (metrics as fractions).
@@ -10,12 +9,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import numpy as np
-
 from .baselines import BASELINES, ODIN_EPSILONS, ODIN_TEMPERATURES
 from .paper import markdown_table
 
-__all__ = ["METHODS", "methods_markdown", "ablation_markdown", "plot_ablation", "config_markdown"]
+__all__ = ["METHODS", "methods_markdown", "config_markdown"]
 
 METHODS = BASELINES + ("mcd",)
 
@@ -40,40 +37,6 @@ def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = METHODS) -> 
         lines.append(cells)
     return (markdown_table(["OOD set", *header], lines)
             + "\n\nAll numbers in %. AUROC: higher is better; FPR95 (OOD accepted at 95% ID accepted): lower is better.")
-
-
-def ablation_markdown(summary: Sequence[dict], metrics: Sequence[str] = ("auroc", "fpr95", "id_accuracy")) -> str:
-    """A Markdown table of :func:`summarize_ablation`'s rows: mean ± sample std in %."""
-    names = {"auroc": "AUROC", "fpr95": "FPR95", "detection_error": "det. error", "id_accuracy": "ID acc.",
-             "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}
-    lines = [[s["ood_dataset"], s["strategy"], s["n"]]
-             + [f"{100 * s[f'{k}_mean']:.2f} ± {100 * s[f'{k}_std']:.2f}" for k in metrics] for s in summary]
-    return (markdown_table(["OOD set", "Step B", "seeds", *[names.get(k, k) for k in metrics]], lines)
-            + "\n\nMean ± sample standard deviation over seeds, in %.")
-
-
-def plot_ablation(rows: Sequence[dict], metrics: Sequence[str] = ("auroc", "id_accuracy"), title: str = ""):
-    """Each run as a dot and mean ± std as a bar, per OOD set and strategy; one panel per metric (%)."""
-    import matplotlib.pyplot as plt
-
-    labels = {"auroc": "AUROC (%)", "id_accuracy": "ID test accuracy of F1 (%)", "fpr95": "FPR95 (%)"}
-    groups = list(dict.fromkeys((r["ood_dataset"], r["strategy"]) for r in rows))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(5.2 * len(metrics), 3.8), squeeze=False)
-    for ax, k in zip(axes[0], metrics):
-        labelled = set()
-        for i, (ood, strategy) in enumerate(groups):
-            v = 100 * np.array([r[k] for r in rows if r["ood_dataset"] == ood and r["strategy"] == strategy])
-            color = "C0" if strategy == "separate" else "C1"
-            ax.plot(np.full(len(v), i) + np.linspace(-0.08, 0.08, len(v)), v, "o", color=color, alpha=0.6)
-            ax.errorbar(i + 0.25, v.mean(), yerr=v.std(ddof=1) if len(v) > 1 else 0, fmt="s", color=color,
-                        capsize=4, label=None if strategy in labelled else strategy)
-            labelled.add(strategy)
-        ax.set_xticks(range(len(groups)), [f"{o}\n{s}" for o, s in groups])
-        ax.set(ylabel=labels.get(k, k), xlabel="OOD set and Step B strategy", title=labels.get(k, k).split(" (")[0])
-        ax.legend(title="mean ± std", fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
 
 
 def config_markdown(cfg) -> str:
