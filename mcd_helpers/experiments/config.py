@@ -94,8 +94,8 @@ class MCDConfig:
     checkpoint_every: int = 50  # steps between checkpoints (and at every epoch end); 0 = epoch ends only.
     # A small_cnn checkpoint costs a few ms, so 50 steps keep it well under 1% of the run.
 
-    # --- fast path: all off by default; on CPU only channels_last helps (small_cnn: about 1.3x
-    # faster training and 2x faster evaluation on 2 cores, benchmarks/channels_last.py); the others are for GPUs ---
+    # --- fast path: all off by default; on CPU only channels_last helps (small_cnn: 1.33x
+    # faster training and 1.63x faster evaluation on 2 cores, benchmarks/channels_last.py); the others are for GPUs ---
     amp: str = "none"  # "bf16": bfloat16 autocast; bf16 has float32's range, so no loss scaling
     channels_last: bool = False  # NHWC memory format for model and batches (faster convs on tensor cores)
     compile: bool = False  # torch.compile the feature extractor G (dynamic=False: one graph per batch shape)

@@ -20,8 +20,8 @@ import matplotlib.pyplot as plt
 from ..training.checkpoint import atomic_write_bytes, atomic_write_text
 from .stats import GROUP_KEYS, forest_plot, paired_differences, plot_by_protocol, summarize
 
-__all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "pooled_summary", "pivot_markdown", "forest_entries",
-           "summary_text", "write_report"]
+__all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "pooled_summary", "pivot_markdown",
+           "forest_entries", "method_label", "summary_text", "write_report"]
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a group: task, class split, protocol, selection, method, OOD set, network
 COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"))
@@ -104,10 +104,12 @@ def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
     """One line per method (and strategy, network), one column per protocol: ``metric`` in %, mean ± CI."""
     entries = [g for g in summary if g["selection"] == selection]
-    protocols = list(dict.fromkeys(g["protocol"] for g in entries))
+    order = ("transductive", "disjoint", "unseen-ood")  # as mcd_helpers.data.nearood.PROTOCOLS
+    protocols = sorted(dict.fromkeys(g["protocol"] for g in entries),
+                       key=lambda p: order.index(p) if p in order else len(order))
     by: dict[str, dict] = {}
     for g in entries:
-        by.setdefault(_method(g), {})[g["protocol"]] = g
+        by.setdefault(method_label(g), {})[g["protocol"]] = g
     lines = [[name, min(g["n"] for g in cells.values())] + [_ci(cells[p][metric]) if p in cells else "-"
                                                            for p in protocols] for name, cells in by.items()]
     return _table(["method", "n", *[f"{p}: {_NAMES.get(metric, metric)} (%)" for p in protocols]], lines)
@@ -127,7 +129,7 @@ def _gap_table(rows: Sequence[dict], task: str) -> list[str]:
         for d in setting_differences(rows, "protocol", a, b, "auroc", task):
             if d["class_split"] == ALL_SPLITS or len({r["class_split"] for r in rows}) == 1:
                 by.setdefault((d["selection"], d["method"], d["norm"], d["arm"]), {})[(a, b)] = d  # one OOD: held-out
-    lines = [[sel, _method({"method": m, "norm": n, "strategy": arm})] + [_ci(ds[c], True) if c in ds else "-"
+    lines = [[sel, method_label({"method": m, "norm": n, "strategy": arm})] + [_ci(ds[c], True) if c in ds else "-"
                                                                       for c in cols] for (sel, m, n, arm), ds in by.items()]
     return ["### What each protocol change does (paired by seed" + (" and split, pooled" if len(
         {r["class_split"] for r in rows}) > 1 else "") + ")", "",
@@ -145,7 +147,8 @@ def _table(header: Sequence[str], lines: Sequence[Sequence]) -> str:
                      + ["| " + " | ".join(str(v) for v in line) + " |" for line in lines])
 
 
-def _method(g: dict) -> str:
+def method_label(g: dict) -> str:
+    """A row's or group's name in the tables: "MSP (pre-trained)", "MCD concat", "MCD separate (GroupNorm)"."""
     if g["method"] != "mcd":
         return {"msp": "MSP", "odin": "ODIN", "energy": "energy"}[g["method"]] + " (pre-trained)"
     return f"MCD {g['strategy']}" + (" (GroupNorm)" if g["norm"] == "group" else "")
@@ -157,7 +160,7 @@ def _summary_tables(summary: list[dict]) -> list[str]:
     parts = []
     for selection in dict.fromkeys(g["selection"] for g in summary):
         lines = [([g["class_split"]] if splits else []) + ([g["ood_dataset"]] if oods else [])
-                 + [g["protocol"], _method(g), g["n"]] + [_ci(g[m]) for m in METRICS]
+                 + [g["protocol"], method_label(g), g["n"]] + [_ci(g[m]) for m in METRICS]
                  for g in summary if g["selection"] == selection]
         header = ((["split"] if splits else []) + (["OOD"] if oods else [])
                   + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"])
@@ -242,5 +245,5 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
         atomic_write_bytes(folder / "forest.png", _png(forest_plot(
             entries, "auroc", "MCD, held-out classes: paired AUROC differences (same seed)")))
     first = summary[0]["selection"]  # one selection (the first run: ood-labels, the official one)
-    series = [{**g, "method": _method(g), "strategy": ""} for g in summary if g["selection"] == first]
+    series = [{**g, "method": method_label(g), "strategy": ""} for g in summary if g["selection"] == first]
     atomic_write_bytes(folder / "by_protocol.png", _png(plot_by_protocol(series, "auroc")))
