@@ -1,5 +1,6 @@
 """Notebook 07's claims about the committed full benchmark (benchmarks/results/near-ood/), each
-recomputed here from results.json with NumPy and SciPy alone (not through mcd_helpers.experiments.report)."""
+recomputed here from results.json with NumPy and SciPy alone. (Only the check that the committed
+summary.md is the report of results.json uses mcd_helpers.experiments.report.)"""
 import json
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def test_model_selection_with_ood_labels_adds_little():
     t = paired(mcd("transductive"), mcd("transductive", selection="last-epoch"))
     assert t[1] < 0 < t[2]
     d, d_last = mcd("disjoint"), mcd("disjoint", selection="last-epoch")
-    assert d == d_last
+    assert len(d) == 15 and d == d_last  # the best validation epoch was the last: the same model
 
 
 def test_concat_ahead_in_the_mean_not_resolved_at_95_and_the_groupnorm_control_flat():
@@ -112,7 +113,7 @@ def test_concat_ahead_in_the_mean_not_resolved_at_95_and_the_groupnorm_control_f
         m, low, high = paired(mcd(protocol, "concat"), mcd(protocol))
         assert m > 0 > low
         m, low, high = paired(mcd(protocol, "concat", norm="group"), mcd(protocol, norm="group"))
-        assert abs(m) < 0.02 and high - m < 0.06
+        assert abs(m) < 0.01 and high - m < 0.05
     assert paired(mcd("disjoint", "concat", "fpr95"), mcd("disjoint", metric="fpr95"))[2] < 0
 
 
@@ -121,9 +122,10 @@ def test_the_strategy_matters_on_split_a():
     b = {k: v for k, v in mcd("disjoint").items() if k[0] == "a"}
     diffs = [a[k] - b[k] for k in sorted(a)]
     assert len(diffs) == 5 and min(diffs) > 0 and ci(diffs)[1] > 0
-    c = [x - y for (k, x), (_, y) in zip(sorted(mcd("unseen-ood", "concat").items()), sorted(mcd("unseen-ood").items()))
-         if k[0] == "c"]
-    assert ci(c)[2] < 0
+    cc, cs = mcd("unseen-ood", "concat"), mcd("unseen-ood")
+    assert cc.keys() == cs.keys()
+    c = [cc[k] - cs[k] for k in sorted(cc) if k[0] == "c"]
+    assert len(c) == 5 and max(c) < 0 and ci(c)[2] < 0
 
 
 def test_recalibration_raises_id_accuracy_and_remedies_help_only_under_unseen_ood():
@@ -157,3 +159,44 @@ def test_on_split_a_unseen_ood_mcd_falls_below_msp_to_chance():
     a = lambda d: [v for k, v in sorted(d.items()) if k[0] == "a"]
     m, low, high = ci(a(mcd("unseen-ood")))
     assert high < ci(a(baseline("unseen-ood", "msp")))[1] and abs(m - 50) < 1.5
+
+
+def pooled_means() -> list[float]:
+    groups = {}
+    for r in NEAR:
+        groups.setdefault((r["protocol"], r["selection"], r["method"], r["strategy"], r["norm"]), []).append(r["auroc"])
+    return [100 * np.mean(v) for v in groups.values()]
+
+
+def test_the_best_cell_and_the_id_accuracy_of_every_batchnorm_strategy():
+    assert 86 < max(pooled_means()) < 86.5
+    for protocol in PROTOCOLS:
+        pre = ci(list(baseline(protocol, "msp", "id_accuracy").values()))[0]
+        accs = {s: ci(list(mcd(protocol, s, "id_accuracy").values()))[0]
+                for s in ("separate", "concat", "split-bn", "recalibrate")}
+        assert all(0.2 < pre - a < 1.2 for a in accs.values())
+        assert accs["separate"] < accs["recalibrate"] < pre
+        assert 4.4 < accs["separate"] - ci(list(mcd(protocol, metric="id_accuracy", norm="group").values()))[0] < 5.5
+    assert paired(mcd("transductive", "concat", "id_accuracy"), mcd("transductive", metric="id_accuracy"))[1] > 0
+
+
+def test_per_split_differences_and_their_p_values():
+    ps = []
+    for split in ("a", "b", "c"):
+        for protocol in PROTOCOLS:
+            a = {k: v for k, v in mcd(protocol, "concat").items() if k[0] == split}
+            b = {k: v for k, v in mcd(protocol).items() if k[0] == split}
+            assert a.keys() == b.keys() and len(a) == 5
+            d = 100 * np.array([a[k] - b[k] for k in sorted(a)])
+            ps.append(stats.ttest_rel([a[k] for k in sorted(a)], [b[k] for k in sorted(a)]).pvalue)
+            if split in ("b", "c") and protocol != "unseen-ood":
+                assert -0.6 < d.mean() < 0.6
+    assert 0.05 / 9 < min(ps) < 0.05  # none survives a Bonferroni correction over the nine
+
+
+def test_remedies_under_unseen_ood_have_p_below_0_001_and_the_leads_beside_openood():
+    for s in ("split-bn", "recalibrate"):
+        a, b = mcd("unseen-ood", s), mcd("unseen-ood")
+        assert stats.ttest_rel([a[k] for k in sorted(a)], [b[k] for k in sorted(a)]).pvalue < 0.001
+    lead = lambda p: ci(list(mcd(p).values()))[0] - ci(list(baseline(p, "msp").values()))[0]
+    assert round(lead("disjoint")) == 20 and round(lead("unseen-ood")) == 1
