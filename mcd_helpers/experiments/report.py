@@ -18,7 +18,7 @@ from typing import Sequence
 import matplotlib.pyplot as plt
 
 from ..training.checkpoint import atomic_write_bytes, atomic_write_text
-from .stats import GROUP_KEYS, forest_plot, paired_differences, plot_by_protocol, summarize
+from .stats import GROUP_KEYS, forest_plot, paired_differences, plot_by_protocol, protocol_order, summarize
 
 __all__ = ["KEYS", "COMPARISONS", "ALL_SPLITS", "benchmark_tables", "setting_differences", "pooled_summary", "pivot_markdown",
            "forest_entries", "method_label", "summary_text", "write_report"]
@@ -97,16 +97,14 @@ def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
     Raises:
         ValueError: as :func:`~mcd_helpers.experiments.stats.summarize`.
     """
-    keys = ("task", "protocol", "selection", "method", "ood_dataset", "norm", "strategy")
+    keys = tuple(k for k in KEYS + ("strategy",) if k != "class_split")
     return summarize([r for r in rows if r["task"] == task], METRICS, keys)
 
 
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
     """One line per method (and strategy, network), one column per protocol: ``metric`` in %, mean ± CI."""
     entries = [g for g in summary if g["selection"] == selection]
-    order = ("transductive", "disjoint", "unseen-ood")  # as mcd_helpers.data.nearood.PROTOCOLS
-    protocols = sorted(dict.fromkeys(g["protocol"] for g in entries),
-                       key=lambda p: order.index(p) if p in order else len(order))
+    protocols = protocol_order(g["protocol"] for g in entries)
     by: dict[str, dict] = {}
     for g in entries:
         by.setdefault(method_label(g), {})[g["protocol"]] = g

@@ -21,13 +21,20 @@ import numpy as np
 from scipy import stats as _st
 
 __all__ = ["GROUP_KEYS", "mean_ci", "paired_differences", "summarize", "summary_markdown", "forest_plot",
-           "plot_by_protocol"]
+           "plot_by_protocol", "protocol_order"]
 
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
 _LABELS = {"auroc": "AUROC", "fpr95": "FPR95", "id_accuracy": "ID acc.", "detection_error": "Detection error",
            "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}
 _PROTOCOL_ORDER = ("transductive", "disjoint", "unseen-ood")  # as mcd_helpers.data.nearood.PROTOCOLS
 _PAIR_FIELDS = ("metric", "a", "b", "seeds", "diffs", "mean", "low", "high", "half_width", "n", "p_value")
+
+
+def protocol_order(protocols) -> list[str]:
+    """The distinct protocols of ``protocols`` in the order of :data:`mcd_helpers.data.nearood.PROTOCOLS`
+    (transductive, disjoint, unseen-ood), any other name after them, alphabetically."""
+    return sorted(set(protocols), key=lambda p: (_PROTOCOL_ORDER.index(p) if p in _PROTOCOL_ORDER
+                                                 else len(_PROTOCOL_ORDER), p))
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
@@ -258,8 +265,7 @@ def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):
                          f"output with metrics=({metric!r}, ...).")
     panel_keys = [k for k in ("task", "class_split", "selection") if k in entries[0]]
     series_keys = _varying(entries, [k for k in ("method", "strategy") if k in entries[0]] or ["protocol"])
-    protocols = sorted({g["protocol"] for g in entries},
-                       key=lambda p: (_PROTOCOL_ORDER.index(p) if p in _PROTOCOL_ORDER else len(_PROTOCOL_ORDER), p))
+    protocols = protocol_order(g["protocol"] for g in entries)
     panels = list(dict.fromkeys(tuple(g[k] for k in panel_keys) for g in entries))
     series = list(dict.fromkeys(tuple(g[k] for k in series_keys) for g in entries))
     ncols = min(3, len(panels))
