@@ -1,13 +1,9 @@
-"""MCD losses and OOD scores: pure functions of logits.
+"""MCD's losses and OOD scores: pure functions of logits ``(N, K)`` (F1's and F2's: ``logits1, logits2``), in nats.
 
-Paper: Q. Yu, K. Aizawa, "Unsupervised Out-of-Distribution Detection by Maximum Classifier
-Discrepancy", ICCV 2019 (arXiv 1908.04951), Sec. 3.2-3.3; official code github.com/YU1ut/UOOD-MCD,
-``solver.py`` (``discrepancy``) and its test script (L1 distance of the two softmax outputs).
-
-Baseline scores for comparison (all "higher = more OOD"):
-MSP (Hendrycks & Gimpel 2017, arXiv 1610.02136), energy (Liu et al. 2020, arXiv 2010.03759).
-
-Glossary: ``logits1, logits2`` are F1's and F2's outputs, shape ``(N, K)``; entropies are in nats.
+Paper: Q. Yu, K. Aizawa, "Unsupervised Out-of-Distribution Detection by Maximum Classifier Discrepancy",
+ICCV 2019 (arXiv 1908.04951), Sec. 3.2-3.3; official code github.com/YU1ut/UOOD-MCD, ``solver.py``
+(``discrepancy``) and its test script (the L1 distance of the two softmax outputs). Baselines, all
+"higher = more OOD": MSP (Hendrycks & Gimpel 2017, arXiv 1610.02136), energy (Liu et al. 2020, arXiv 2010.03759).
 """
 from __future__ import annotations
 
@@ -16,143 +12,120 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["entropy", "supervised_loss", "discrepancy_loss", "discrepancy_score",
-           "msp_score", "energy_score", "check_logits", "check_targets"]
 
-
-def check_logits(logits1: torch.Tensor, logits2: torch.Tensor | None = None) -> None:
-    """Raise ``ValueError`` unless the logits are ``(N, K)`` (and both heads agree in shape)."""
-    for name, t in (("logits1", logits1), ("logits2", logits2)):
-        if t is None:
-            continue
+def check_logits(*logits: torch.Tensor) -> None:
+    """Raise ``ValueError`` (``TypeError`` for a non-tensor) unless every argument is ``(N, K)``, all one shape."""
+    for i, t in enumerate(logits, start=1):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of shape (N, K), got {type(t).__name__}.")
-        if t.dim() != 2:
-            raise ValueError(f"{name} must have shape (N, K) (batch, classes), got {tuple(t.shape)}.")
-    if logits2 is not None and logits1.shape != logits2.shape:
-        raise ValueError(f"logits1 and logits2 must have the same shape (N, K), "
-                         f"got {tuple(logits1.shape)} and {tuple(logits2.shape)}.")
-
-
-def check_targets(targets: torch.Tensor, num_classes: int, batch: int) -> None:
-    """Raise ``ValueError`` unless ``targets`` is ``(N,)`` of integer labels in ``[0, num_classes)``."""
-    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError("targets must be an integer tensor of class indices, shape (N,); "
-                         f"got {getattr(targets, 'dtype', type(targets).__name__)}.")
-    if targets.shape != (batch,):
-        raise ValueError(f"targets must have shape ({batch},) to match the logits, got {tuple(targets.shape)}.")
-    if batch and (targets.min() < 0 or targets.max() >= num_classes):
-        bad = targets[(targets < 0) | (targets >= num_classes)]
-        raise ValueError(f"labels must lie in [0, {num_classes}) for a {num_classes}-class model; "
-                         f"got {bad[:5].tolist()} (OOD samples carry no label: keep them out of "
-                         "the supervised loss).")
+            raise TypeError(f"logits{i} must be a torch.Tensor of shape (N, K), got {type(t).__name__}.")
+        if t.dim() != 2 or t.shape != logits[0].shape:
+            raise ValueError(f"logits must have shape (N, K) (batch, classes), the two heads alike; got "
+                             f"{[tuple(t.shape) for t in logits]}.")
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of the softmax, per sample over classes: H(p) = -sum_k p_k log p_k, in nats.
+    """H(p) = -sum_k p_k log p_k of the softmax, per sample over classes (not over the batch), in nats.
 
-    Computed from ``log_softmax`` so that it is finite for any finite logits.
-
-    Shapes:
-        logits: ``(N, K)`` -> ``(N,)``, each value in [0, log K].
+    Shapes: ``(N, K)`` -> ``(N,)``, each in [0, log K]; finite for any finite logits (``log_softmax``).
     """
     check_logits(logits)
     log_p = F.log_softmax(logits, dim=1)  # (N, K)
-    return -(log_p.exp() * log_p).sum(dim=1)  # sum over classes, not over the batch
+    return -(log_p.exp() * log_p).sum(dim=1)
 
 
 def supervised_loss(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """CE(F1) + CE(F2) on labeled ID data, each cross-entropy averaged over the batch (nats).
+    """CE(F1) + CE(F2) on labeled ID data, each cross-entropy the batch mean, in nats.
 
-    Shapes:
-        logits1, logits2: ``(N, K)``; targets: ``(N,)`` integer labels in ``[0, K)`` -> scalar.
+    Shapes: ``(N, K)``, ``(N, K)``, targets ``(N,)`` integer labels in ``[0, K)`` (any integer dtype) -> scalar.
 
     Raises:
-        ValueError: on mismatched shapes, an empty batch or labels outside ``[0, K)``.
+        ValueError: mismatched shapes, an empty batch, labels that are not integers or lie outside ``[0, K)``.
     """
     check_logits(logits1, logits2)
-    if logits1.shape[0] == 0:
-        raise ValueError("supervised_loss needs at least one labeled sample; got an empty batch "
-                         "(the mean over zero samples is NaN).")
-    check_targets(targets, logits1.shape[1], logits1.shape[0])
-    targets = targets.long()  # any integer dtype (int32, uint8, ...); cross_entropy wants int64
+    n, k = logits1.shape
+    if n == 0:
+        raise ValueError("supervised_loss needs at least one labeled sample; got an empty batch (its mean is NaN).")
+    if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
+        raise ValueError(f"targets must be an integer tensor of class indices (N,), got {getattr(targets, 'dtype', targets)}.")
+    if targets.shape != (n,):
+        raise ValueError(f"targets must have shape ({n},) to match the logits, got {tuple(targets.shape)}.")
+    bad = targets[(targets < 0) | (targets >= k)]
+    if len(bad):
+        raise ValueError(f"labels must lie in [0, {k}) for a {k}-class model, got {bad[:5].tolist()} (OOD samples carry "
+                         "no label: keep them out of the supervised loss).")
+    targets = targets.long()  # cross_entropy wants int64
     return F.cross_entropy(logits1, targets) + F.cross_entropy(logits2, targets)
 
 
 def discrepancy_loss(logits1: torch.Tensor, logits2: torch.Tensor, margin: float = 1.2) -> torch.Tensor:
-    """Discrepancy loss on unlabeled data: max(m - mean_batch[H(p1) - H(p2)], 0), in nats.
+    """The discrepancy loss on unlabeled data: ``max(m - mean_batch[H(p1) - H(p2)], 0)``, in nats.
 
-    Eq. (3) of the paper with the official code's hinge (``solver.py``, ``discrepancy``): the mean
-    over the batch is taken first, then the hinge. Minimising it pushes F1 to high and F2 to low
-    entropy on unlabeled samples until the mean entropy gap reaches the margin; beyond that the
-    loss is 0 with zero gradient.
+    Eq. (3) of the paper with the official code's hinge (``solver.py``, ``discrepancy``): the mean over the
+    batch first, then the hinge. Minimising it pushes F1 to high and F2 to low entropy until the mean gap
+    reaches the margin; beyond that the loss is 0 with zero gradient.
 
-    Shapes:
-        logits1, logits2: ``(N, K)`` with N >= 1 -> scalar.
+    Shapes: ``(N, K)``, ``(N, K)`` with N >= 1 -> scalar.
 
     Raises:
-        ValueError: on mismatched shapes, an empty batch or a negative, NaN or infinite margin, or one
-            beyond the logits' dtype (1e39 in float32).
+        ValueError: mismatched shapes, an empty batch, a margin that is negative, not finite or beyond
+            the logits' dtype (1e39 in float32).
     """
     check_logits(logits1, logits2)
-    if logits1.shape[0] == 0:
+    if len(logits1) == 0:
         raise ValueError("discrepancy_loss needs at least one unlabeled sample, got an empty batch.")
-    if not (math.isfinite(margin) and margin >= 0):
-        raise ValueError(f"margin must be a finite number >= 0 nats (official: 1.2), got {margin}.")
     top = torch.finfo(logits1.dtype).max if logits1.dtype.is_floating_point else math.inf
-    if margin > top:
-        raise ValueError(f"margin={margin:g} nats is larger than the largest {logits1.dtype} number ({top:.4g}): "
-                         "the loss would be inf. Use a margin of a few nats (official: 1.2).")
-    gap = (entropy(logits1) - entropy(logits2)).mean()
-    return torch.clamp(margin - gap, min=0)
+    if not (math.isfinite(margin) and 0 <= margin <= top):
+        raise ValueError(f"margin must be a finite number >= 0 nats within {logits1.dtype} ({top:.4g}), got {margin}; the "
+                         "official margin is 1.2.")
+    return torch.clamp(margin - (entropy(logits1) - entropy(logits2)).mean(), min=0)
+
+
+def step_b_objective(outputs, y_sup: torch.Tensor, margin: float = 1.2) -> tuple[torch.Tensor, dict]:
+    """Step B's loss from the two batches' outputs ``[(logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup)]``:
+    CE(F1) + CE(F2) on the labeled batch + the discrepancy loss on the unlabeled one (nats; official ``solver.py``).
+
+    Returns:
+        ``(loss, parts)``: the scalar and detached ``ce``, ``dis`` and ``gap`` (mean H(p1) - H(p2), unlabeled batch).
+
+    Raises:
+        TypeError: ``outputs`` is not two pairs of logits; the losses' errors otherwise.
+    """
+    try:
+        (logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup) = outputs
+    except (TypeError, ValueError) as err:
+        raise TypeError("Step B needs the model to return (logits1, logits2) for each of the two batches; unpacking "
+                        f"its outputs failed: {err}") from err
+    ce = supervised_loss(logits1_sup, logits2_sup, y_sup)
+    dis = discrepancy_loss(logits1_unsup, logits2_unsup, margin)
+    with torch.no_grad():
+        gap = (entropy(logits1_unsup) - entropy(logits2_unsup)).mean()
+    return ce + dis, {"ce": ce.detach(), "dis": dis.detach(), "gap": gap}
 
 
 def discrepancy_score(logits1: torch.Tensor, logits2: torch.Tensor) -> torch.Tensor:
-    """MCD's OOD score: L1 distance of the two heads' softmax outputs, sum_k |p1_k - p2_k|.
+    """MCD's OOD score, the L1 distance of the two softmax outputs ``sum_k |p1_k - p2_k|``: higher = more OOD.
 
-    Higher = more OOD. In [0, 2]: 0 when the heads agree; confident heads that disagree give
-    close to 2 (2 - 2/K when one head is uniform and the other one-hot).
-
-    Shapes:
-        logits1, logits2: ``(N, K)`` -> ``(N,)``.
+    In [0, 2]: 0 when the heads agree, 2 - 2/K when one is uniform and the other one-hot.
+    Shapes: ``(N, K)``, ``(N, K)`` -> ``(N,)``.
     """
     check_logits(logits1, logits2)
     return (F.softmax(logits1, dim=1) - F.softmax(logits2, dim=1)).abs().sum(dim=1)
 
 
-def _check_temperature(temperature: float) -> None:
+def _temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    check_logits(logits)
     if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature T must be a finite number > 0 (1 = plain softmax; ODIN uses 1000), "
-                         f"got {temperature}.")
+        raise ValueError(f"temperature T must be a finite number > 0 (1 = plain softmax; ODIN uses 1000), got {temperature}.")
+    return logits / temperature
 
 
 def msp_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Maximum-softmax-probability baseline as an OOD score: 1 - max_k softmax(logits / T)_k.
-
-    Higher = more OOD; in [0, 1 - 1/K]. T > 1 is ODIN's temperature scaling (arXiv 1706.02690).
-
-    Shapes:
-        logits: ``(N, K)`` -> ``(N,)``.
-
-    Raises:
-        ValueError: on bad logits or a temperature that is not a finite number > 0.
-    """
-    check_logits(logits)
-    _check_temperature(temperature)
-    return 1.0 - F.softmax(logits / temperature, dim=1).max(dim=1).values
+    """The maximum-softmax-probability baseline as an OOD score, ``1 - max_k softmax(logits / T)_k``, in
+    [0, 1 - 1/K]; T > 1 is ODIN's temperature scaling. Shapes: ``(N, K)`` -> ``(N,)``. ``ValueError``: T <= 0."""
+    return 1.0 - F.softmax(_temperature(logits, temperature), dim=1).max(dim=1).values
 
 
 def energy_score(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Free energy E(x) = -T logsumexp_k(logits_k / T) (Liu et al. 2020, Eq. 5).
-
-    Higher = more OOD (ID samples have lower energy).
-
-    Shapes:
-        logits: ``(N, K)`` -> ``(N,)``.
-
-    Raises:
-        ValueError: on bad logits or a temperature that is not a finite number > 0.
-    """
-    check_logits(logits)
-    _check_temperature(temperature)
-    return -temperature * torch.logsumexp(logits / temperature, dim=1)
+    """Free energy ``E(x) = -T logsumexp_k(logits_k / T)`` (Liu et al. 2020, Eq. 5); ID samples have lower
+    energy. Shapes: ``(N, K)`` -> ``(N,)``. ``ValueError``: T <= 0."""
+    return -temperature * torch.logsumexp(_temperature(logits, temperature), dim=1)

@@ -1,0 +1,227 @@
+"""``python -m mcd_helpers benchmark``: near-OOD experiments over seeds, class splits, protocols and strategies.
+
+A preset (:data:`BENCHMARK_PRESETS`) is a grid of *cells*, one per seed, class split, task and protocol;
+each goes through :func:`~mcd_helpers.pipeline.run_ood_set` under every model selection. Tasks:
+``near-ood`` (ID = the 6 known classes of a Fashion-MNIST class split, OOD = its 4 held-out classes,
+under every protocol) and ``far-ood`` (the first split's known classes against a far set, transductive).
+MCD runs on ``small_cnn`` with BatchNorm under each strategy, and on ``small_cnn(norm="group")``, the
+reference in which no sample is coupled to another (rows with ``norm = "group"``). The seed varies
+pre-training and fine-tuning; the splits are fixed (``split_seed``), so two strategies with one seed are a pair.
+
+``--out`` gets ``results.json`` (a row per cell, selection, method and strategy: the settings, the
+five metrics and ``id_accuracy`` as fractions, ``scores``), ``scores/<row>.npz`` (``id`` and ``ood``,
+the per-sample test scores, higher = more OOD), ``summary.md``, ``forest.png`` and ``by_protocol.png``
+(:mod:`mcd_helpers.report`). A finished cell is written to ``cells/`` at once, so ``--resume``
+continues where an interrupted run stopped.
+
+Example: ``python -m mcd_helpers benchmark --preset near-ood-quick --out runs/near-ood-quick``
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .config import HELD_OUT, SELECTIONS, MCDConfig
+from .data import OFFLINE_OOD_SETS
+from .errors import ConfigError
+from .files import atomic_write, write_json
+from .forwards import STRATEGIES
+from .metrics import METRIC_KEYS
+from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
+from .report import write_report
+from .run import check_split, output_folder
+from .splits import PROTOCOLS, class_split
+
+
+@dataclass(frozen=True)
+class BenchmarkPreset:
+    """A grid: the shared ``config`` (sizes, epochs, learning rates; class split, protocol, selection, seed
+    and norm are set per cell) and the values of each dimension. ``strategies`` run on the BatchNorm
+    network, ``reference`` on the GroupNorm one (near-OOD cells); ``far_ood_sets`` give far rows
+    (transductive, ``far_strategies``, the first class split). ``seeds``: the default count, ``max_seeds`` the most."""
+    config: MCDConfig
+    class_splits: tuple[str, ...]
+    protocols: tuple[str, ...] = PROTOCOLS
+    selections: tuple[str, ...] = SELECTIONS
+    strategies: tuple[str, ...] = STRATEGIES
+    reference: tuple[str, ...] = ("separate",)
+    far_ood_sets: tuple[str, ...] = ()
+    far_strategies: tuple[str, ...] = ("separate", "concat")
+    seeds: int = 5
+    max_seeds: int = 10
+    about: str = ""
+
+
+_FINETUNE = dict(pretrain_epochs=2, pretrain_milestones=(1,), finetune_epochs=2, finetune_lr=0.005, batch_size_sup=64,
+                 batch_size_unsup=64, unlabeled_ood="photo_crops", channels_last=True)
+_ODIN = dict(odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.0014, 0.004))
+BENCHMARK_PRESETS = {
+    # CPU, at most 20 minutes on 2 cores from an empty cache: split a, 3 protocols x 4 strategies + the GroupNorm
+    # reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25 fine-tuning steps of 64 + 64.
+    "near-ood-quick": BenchmarkPreset(
+        MCDConfig(train_subset=20_000, test_subset=5000, n_val=500, n_holdout=3000, ood_size=2000, steps_per_epoch=25,
+                  **_FINETUNE, **_ODIN),
+        class_splits=("a",), seeds=5, max_seeds=5, about="split a, every protocol, strategy and method, 5 seeds; CPU, <= 20 minutes"),
+    # Three class splits, every test image, the GroupNorm reference with both strategies (its concat - separate is
+    # the no-coupling control), far rows (split a), 5 seeds (up to 10). About an hour on 2 cores.
+    "near-ood": BenchmarkPreset(
+        MCDConfig(train_subset=30_000, n_val=500, n_holdout=4500, ood_size=5000, steps_per_epoch=30, **_FINETUNE, **_ODIN),
+        class_splits=("a", "b", "c"), reference=("separate", "concat"), far_ood_sets=("digits", "photo_crops", "gaussian"),
+        about="splits a, b, c, every protocol, strategy and method, far rows, 5 seeds; CPU, about an hour"),
+    # The test suite's: the whole grid at toy size (a minute or two).
+    "near-ood-tiny": BenchmarkPreset(
+        MCDConfig(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200, pretrain_epochs=1,
+                  pretrain_milestones=(), pretrain_batch_size=64, finetune_epochs=2, steps_per_epoch=4, finetune_lr=0.005,
+                  batch_size_sup=16, batch_size_unsup=16, eval_batch_size=500, unlabeled_ood="photo_crops",
+                  channels_last=True, odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.002)),
+        class_splits=("a",), far_ood_sets=("gaussian",), seeds=5, max_seeds=5, about="the whole grid at toy size, for the tests"),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One seed, class split, task, OOD set and protocol: trained once, evaluated under every selection."""
+    seed: int
+    class_split: str
+    task: str  # near-ood | far-ood
+    ood: str  # "heldout" (the held-out classes) or a far OOD set
+    protocol: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}_{self.class_split.replace('/', '-')}_{self.ood}_{self.protocol}_seed{self.seed}"
+
+
+def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, protocols=None, strategies=None,
+                    selections=None) -> BenchmarkPreset:
+    """Preset ``preset`` narrowed to the values asked for (``None``: the preset's), all checked before any work.
+
+    Raises:
+        ConfigError: an unknown preset, protocol, strategy, selection or class split; a value given twice
+            (also one split under two names); fewer than 2 seeds or more than the preset allows; the
+            message lists the valid values.
+    """
+    if preset not in BENCHMARK_PRESETS:
+        raise ConfigError("preset", f"unknown benchmark preset {preset!r}; valid presets: {', '.join(BENCHMARK_PRESETS)}.")
+    p = BENCHMARK_PRESETS[preset]
+    n = p.seeds if seeds is None else seeds
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= p.max_seeds:
+        raise ConfigError("seeds", f"seeds must be an integer from 2 (a confidence interval needs two) to {p.max_seeds} "
+                                   f"(preset {preset!r}'s most), got {seeds!r}.")
+
+    def subset(name: str, asked, default, valid) -> tuple:
+        asked = tuple(default if asked is None else asked)
+        if not asked or set(asked) - set(valid) or len(set(asked)) < len(asked):
+            raise ConfigError(name, f"{name} {list(asked)}: give each value once, from {', '.join(valid)}.")
+        return asked
+
+    splits = tuple(p.class_splits if class_splits is None else class_splits)
+    classes = [class_split(s) for s in splits]  # ConfigError for unknown or malformed splits
+    if not splits or len(set(classes)) < len(classes):
+        raise ConfigError("class_split", f"class splits {list(splits)}: name at least one, each split once (also "
+                                         "under two names it would count twice in the statistics).")
+    chosen = subset("strategies", strategies, p.strategies, STRATEGIES)
+    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocol", protocols, p.protocols, PROTOCOLS),
+                               strategies=chosen, selections=subset("selection", selections, p.selections, SELECTIONS),
+                               reference=tuple(s for s in p.reference if strategies is None or s in chosen),
+                               far_strategies=tuple(s for s in p.far_strategies if strategies is None or s in chosen))
+
+
+def cells_of(p: BenchmarkPreset) -> list[Cell]:
+    """Every cell in run order: seed, class split, near-OOD protocols, then the far rows (first split only)."""
+    cells = []
+    for seed in range(p.seeds):
+        for split in p.class_splits:
+            cells += [Cell(seed, split, "near-ood", HELD_OUT, protocol) for protocol in p.protocols]
+            if "transductive" in p.protocols and split == p.class_splits[0]:
+                cells += [Cell(seed, split, "far-ood", ood, "transductive") for ood in p.far_ood_sets]
+    return cells
+
+
+def _cell_config(p: BenchmarkPreset, cell: Cell) -> MCDConfig:
+    return dataclasses.replace(p.config, class_split=cell.class_split, protocol=cell.protocol, seed=cell.seed,
+                               ood_sets=(cell.ood,))
+
+
+def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progress: bool, resume: bool) -> list[dict]:
+    """Everything of ``cell`` trained (or loaded) and evaluated; its rows, their scores in ``out/scores``."""
+    near = cell.task == "near-ood"
+    networks = [("batch", p.strategies if near else p.far_strategies, METHODS)]
+    networks += [("group", p.reference, ("mcd",))] if near and p.reference else []
+    rows = []
+    for norm, strategies, methods in networks:
+        stem = f"{cell.name}_{norm}"
+        res = run_ood_set(dataclasses.replace(_cell_config(p, cell), norm=norm, strategies=tuple(strategies)), data,
+                          cell.ood, p.selections, methods, retrained, progress, None, None, out / "checkpoints" / stem, resume)
+        for r, (s_id, s_ood) in zip(res.rows, res.row_scores):
+            rel = f"scores/{stem}_{r['selection']}_{r['method']}" + (f"_{r['strategy']}" if r["strategy"] else "") + ".npz"
+            buf = io.BytesIO()
+            np.savez(buf, id=s_id.numpy(), ood=s_ood.numpy())  # the dtype the metrics saw: exact
+            atomic_write(out / rel, buf.getvalue())
+            extra = {k: r[k] for k in ("odin_temperature", "odin_epsilon", "val_auroc", "selected_epoch") if k in r}
+            rows.append({"task": cell.task, "class_split": cell.class_split, "protocol": cell.protocol,
+                         "selection": r["selection"], "method": r["method"], "strategy": r["strategy"], "norm": norm,
+                         "seed": cell.seed, "ood_dataset": cell.ood, **{k: r[k] for k in METRIC_KEYS},
+                         "id_accuracy": r["id_accuracy"], "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood), **extra})
+    return rows
+
+
+def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_splits=None, protocols=None,
+                  strategies=None, selections=None, retrain: bool = False, progress: bool = True, quiet: bool = False,
+                  resume: bool = False, fresh: bool = False) -> list[dict]:
+    """Run a benchmark preset into ``out_dir`` (the module docstring says what it writes). Every setting and
+    every split is checked before training; cells already in ``out_dir/cells`` with the same settings are reused.
+
+    Returns:
+        the rows of ``results.json`` (metrics as fractions).
+
+    Raises:
+        ConfigError: a bad preset, seed count, class split, protocol, strategy, selection or size;
+            ``--resume`` on cells written with other settings (field ``resume``); an out folder in use or
+            holding unfinished work. DataNotFoundError: before training. TrainingInterrupted: SIGTERM/SIGINT.
+    """
+    p = check_benchmark(preset, seeds, class_splits, protocols, strategies, selections)
+    bad = [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]
+    if bad:
+        raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not available offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
+    out, t0 = Path(out_dir), time.time()
+    log = (lambda msg: None) if quiet else tqdm.write
+    settings = {"preset": preset, **{k: v for k, v in dataclasses.asdict(p).items() if k != "config"},
+                "config": p.config.to_dict()}
+    with output_folder(out, settings, resume, fresh, quiet) as info:
+        data = load_data(p.config)
+        cells = cells_of(p)
+        for cell in {dataclasses.replace(c, seed=0) for c in cells}:  # every split of the grid, before any training
+            check_split(p.config, make_split(_cell_config(p, cell), data, cell.ood), cell.name)
+        rows, retrained = [], set() if retrain else False
+        for cell in tqdm(cells, desc=f"benchmark {preset}", disable=not progress, unit="cell"):
+            key = cache_key(_cell_config(p, cell), "cell", cell=dataclasses.asdict(cell),
+                            grid=[p.strategies, p.reference, p.far_strategies, p.selections, p.config.odin_temperatures,
+                                  p.config.odin_epsilons])
+            path = out / "cells" / f"{cell.name}.json"
+            saved = json.loads(path.read_text()) if path.exists() and not retrain else None
+            if saved and saved["key"] == key and all((out / r["scores"]).exists() for r in saved["rows"]):
+                rows += saved["rows"]
+                continue
+            if saved and resume:
+                raise ConfigError("resume", f"{path} was written with other settings than this run's (preset, grid or "
+                                            "sizes). Resume with the interrupted run's settings, or pass --fresh.")
+            c0 = time.time()
+            cell_rows = _run_cell(p, cell, data, out, retrained, progress, resume)
+            write_json(path, {"key": key, "seconds": round(time.time() - c0, 1), "rows": cell_rows})
+            log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
+            rows += cell_rows
+        seconds = round(time.time() - t0, 1)
+        write_report(rows, out, title=f"Benchmark {preset}: {p.about}", seconds=seconds)  # then results.json, the last
+        write_json(out / "config.json", settings)
+        write_json(out / "results.json", rows)
+        info.update(seconds=seconds, cells=len(cells), rows=len(rows))
+        log(f"{len(rows)} rows from {len(cells)} cells in {seconds:.0f} s: {out / 'summary.md'}")
+    return rows

@@ -1,0 +1,214 @@
+"""Settings of a run: one dataclass whose defaults say where they come from, and the named presets.
+
+Every field is a flag of ``python -m mcd_helpers reproduce`` (``finetune_lr`` -> ``--finetune-lr``) and
+is stored with the results (``config.json``). A value that cannot work raises
+:class:`~mcd_helpers.errors.ConfigError` naming the field; checks that need the data run before
+any training (:func:`mcd_helpers.run.run_reproduction`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass
+
+from .data import ID_DATASETS, OFFLINE_OOD_SETS, OOD_SETS
+from .errors import ConfigError
+from .forwards import STRATEGIES
+from .models import MODELS, NORMS
+from .splits import PROTOCOLS, class_split
+
+FINETUNE_SCHEDULES = ("official", "step_b")  # Step A then Step B each iteration | Step B only
+SELECTIONS = ("ood-labels", "last-epoch")  # best validation AUROC (official) | the last epoch, no OOD label
+HELD_OUT = "heldout"  # the OOD "set" of a near-OOD task: the held-out classes of class_split
+# What determines the pre-trained network (its cache key); the other fields change only fine-tuning.
+PRETRAIN_FIELDS = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
+                   "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed", "train_subset", "amp",
+                   "class_split", "protocol", "n_holdout", "split_seed")
+# How to run, not what to compute: left out of every cache key, so they may change between a run and its
+# resume. num_threads, eval_batch_size and the GPU options change numbers at rounding level only;
+# selection picks one of the two weights a fine-tuning keeps; the ODIN grid only changes evaluation.
+RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
+              "compile", "data_on_device", "ood_sets", "strategies", "odin_temperatures", "odin_epsilons")
+
+
+@dataclass
+class MCDConfig:
+    """Hyperparameters of one reproduction run (pre-training, then fine-tuning per OOD set and strategy).
+
+    Raises:
+        ConfigError: (a ValueError) on a value that cannot work; ``field`` names it, ``flag`` its flag.
+    """
+
+    # --- data ---
+    id_dataset: str = "fashion_mnist"
+    ood_sets: tuple[str, ...] = OFFLINE_OOD_SETS  # add "mnist" when it is on disk
+    ood_size: int = 10_000  # images of each generated OOD set (ODIN's 10,000)
+    n_val: int = 1000  # validation images of each of ID and OOD (official loader)
+    split_seed: int = 3  # official loader: np.random.seed(3)
+    train_subset: int = 0  # 0 = every ID training image; N > 0 = the first N (fast tests and demos)
+    test_subset: int = 0  # 0 = the whole ID test set; N > 0 = its first N, before the split
+
+    # --- near-OOD task (held-out classes) and protocol ---
+    class_split: str = ""  # "" = every ID class; a name of splits.CLASS_SPLITS (6 known / 4 held out) or "IDS/OODS"
+    protocol: str = "transductive"  # transductive (paper) | disjoint | unseen-ood (splits.PROTOCOLS)
+    selection: str = "ood-labels"  # ood-labels (official: best validation AUROC) | last-epoch
+    n_holdout: int = 6000  # disjoint / unseen-ood: ID training images held out as the unlabeled pool's ID part
+    unlabeled_ood: str = "digits"  # unseen-ood: where the unlabeled OOD images come from (the test OOD: held-out classes)
+
+    # --- model ---
+    model: str = "small_cnn"  # small_cnn | densenet_bc_100 | wrn_28_10
+    norm: str = "batch"  # small_cnn only: batch | group | none
+
+    # --- pre-training: CE on both heads (not in the official code, which ships checkpoints) ---
+    pretrain_epochs: int = 3
+    pretrain_lr: float = 0.05
+    pretrain_momentum: float = 0.9
+    pretrain_weight_decay: float = 5e-4  # unofficial reproduction
+    pretrain_milestones: tuple[int, ...] = (2,)  # lr x 0.1 at these epochs (paper-sized: 150, 225)
+    pretrain_batch_size: int = 128
+
+    # --- fine-tuning: official code (solver.py) unless said otherwise ---
+    schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
+    strategies: tuple[str, ...] = ("separate", "concat")  # how Step B feeds its batches (forwards.STRATEGIES)
+    finetune_epochs: int = 1  # official: 10
+    steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
+    finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)
+    finetune_momentum: float = 0.9
+    finetune_weight_decay: float = 1e-4
+    batch_size_sup: int = 128
+    batch_size_unsup: int = 128
+    margin: float = 1.2  # nats, official default
+
+    # --- baselines: ODIN's grid (paper Sec. 4.2: T in 1..1000, eps in 0..0.004), a coarser one of the same range ---
+    odin_temperatures: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)
+    odin_epsilons: tuple[float, ...] = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.003, 0.004)
+
+    # --- run ---
+    seed: int = 0
+    eval_batch_size: int = 1000
+    device: str = "cpu"
+    num_threads: int = 0  # 0 = PyTorch's default
+    checkpoint_every: int = 50  # steps between checkpoints (and at every epoch end); 0 = epoch ends only
+
+    # --- fast path, all off by default; on the CPU channels_last helps (small_cnn: 1.33x faster training,
+    # 1.63x faster evaluation on 2 cores, benchmarks/channels_last.py); the others are for GPUs ---
+    amp: str = "none"  # "bf16": bfloat16 autocast (float32's range: no loss scaling)
+    channels_last: bool = False  # NHWC memory format for model and batches
+    compile: bool = False  # torch.compile the feature extractor G (dynamic=False: one graph per batch shape)
+    data_on_device: bool = False  # hold the whole data set on the device and gather batches there
+    sync_bn: bool = False  # under torchrun: SyncBatchNorm, statistics over the global batch (GPUs only)
+
+    def __post_init__(self) -> None:
+        for name in ("ood_sets", "strategies", "pretrain_milestones", "odin_temperatures", "odin_epsilons"):
+            setattr(self, name, tuple(getattr(self, name)))
+        choices = {"id_dataset": ID_DATASETS, "model": MODELS, "norm": NORMS, "schedule": FINETUNE_SCHEDULES,
+                   "protocol": PROTOCOLS, "selection": SELECTIONS, "amp": ("none", "bf16")}
+        for name, valid in choices.items():
+            if getattr(self, name) not in valid:
+                raise ConfigError(name, f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}.")
+        at_least = {"ood_size": 1, "n_val": 1, "train_subset": 0, "test_subset": 0, "n_holdout": 1, "pretrain_epochs": 1,
+                    "pretrain_batch_size": 1, "finetune_epochs": 1, "steps_per_epoch": 0, "batch_size_sup": 1,
+                    "batch_size_unsup": 1, "eval_batch_size": 1, "num_threads": 0, "checkpoint_every": 0, "seed": 0,
+                    "split_seed": 0, "margin": 0.0, "pretrain_momentum": 0.0, "finetune_momentum": 0.0,
+                    "pretrain_weight_decay": 0.0, "finetune_weight_decay": 0.0}
+        for name, low in at_least.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+                raise ConfigError(name, f"{name} must be a finite number >= {low}, got {value!r}.")
+        checks = [
+            ("pretrain_lr", math.isfinite(self.pretrain_lr) and self.pretrain_lr > 0, "pretrain_lr must be a number > 0"),
+            ("finetune_lr", math.isfinite(self.finetune_lr) and self.finetune_lr > 0, "finetune_lr must be a number > 0"),
+            ("seed", self.seed < 2**32 and self.split_seed < 2**32, "seed and split_seed must be below 2**32"),
+            ("pretrain_momentum", max(self.pretrain_momentum, self.finetune_momentum) < 1, "momentum must be below 1"),
+            ("margin", self.margin <= 3.4e38, f"margin must be at most 3.4e38 nats (float32's largest number; the loss "
+                                              f"would be inf), got {self.margin}; the official margin is 1.2"),
+            ("strategies", self.strategies and set(self.strategies) <= set(STRATEGIES),
+             f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies}"),
+            ("strategies", self.norm == "batch" or not {"split-bn", "recalibrate"} & set(self.strategies),
+             "strategies split-bn and recalibrate change BatchNorm statistics and need norm='batch'; with "
+             f"norm={self.norm!r} use separate or concat (equal without BatchNorm)"),
+            ("norm", self.model == "small_cnn" or self.norm == "batch", f"norm={self.norm!r} applies to small_cnn only"),
+            ("sync_bn", not self.sync_bn or self.device.startswith("cuda"),
+             f"--sync-bn needs GPUs (in torch 2.14.1 SyncBatchNorm has no CPU kernel), got device {self.device!r}"),
+            ("pretrain_milestones", all(m >= 0 for m in self.pretrain_milestones), "milestones must be epochs >= 0"),
+            ("ood_sets", len(self.ood_sets) > 0, "name at least one OOD set"),
+            ("class_split", not self.class_split or self.id_dataset == "fashion_mnist", "class_split needs fashion_mnist"),
+            ("protocol", self.protocol == "transductive" or self.class_split,
+             f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
+            ("odin_temperatures", self.odin_temperatures and self.odin_epsilons and min(self.odin_temperatures) > 0
+             and min(self.odin_epsilons) >= 0, "ODIN's grid needs temperatures > 0 and epsilons >= 0"),
+            ("ood_size", self.ood_size * (784 if self.id_dataset == "fashion_mnist" else 3072) * 12 < _memory() / 2,
+             f"ood_size={self.ood_size:,} generated images need more than half of this machine's memory"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ConfigError(name, message + ".")
+        if self.class_split:
+            class_split(self.class_split)  # a known name or "IDS/OODS"; ConfigError otherwise
+
+    def check_ood_sets(self) -> None:
+        """Raise ConfigError unless every name in ``ood_sets`` can be loaded for ``id_dataset`` (not in
+        ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names)."""
+        known = OOD_SETS[self.id_dataset] + ((HELD_OUT,) if self.class_split else ())
+        far = [o for o in self.ood_sets if o != HELD_OUT]
+        if self.protocol != "transductive" and far:
+            raise ConfigError("ood_sets", f"protocol {self.protocol!r} applies to the held-out classes only; OOD set(s) "
+                                          f"{far} run under the transductive protocol. Pass --ood-sets {HELD_OUT}.")
+        unknown = [o for o in self.ood_sets if o not in known]
+        if unknown:
+            raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _memory() -> int:
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62
+
+
+# The paper's protocol (GPU-sized): CIFAR, ODIN's five folders and two noise sets; pre-training as the
+# unofficial reproduction does it (300 epochs, SGD 0.1, lr x 0.1 at 150 and 225; batch size not given);
+# fine-tuning as the authors' solver.py: Step A then Step B, SGD lr 0.01 constant, 10 epochs, 128 + 128.
+_PAPER = dict(ood_sets=OOD_SETS["cifar10"], pretrain_epochs=300, pretrain_lr=0.1, pretrain_milestones=(150, 225),
+              strategies=("separate",), finetune_epochs=10, eval_batch_size=500, device="cuda")
+# The seed blog's and the unofficial reproduction's fine-tuning: Step B only, one optimizer, lr 0.001.
+_STEP_B = dict(schedule="step_b", finetune_lr=0.001, finetune_weight_decay=5e-4, batch_size_sup=64, batch_size_unsup=64)
+_QUICK = dict(pretrain_epochs=4, pretrain_milestones=(3,), steps_per_epoch=150)
+
+PRESETS: dict[str, MCDConfig] = {
+    # CPU-sized: Fashion-MNIST, small_cnn (BatchNorm), 4 pre-training epochs, one fine-tuning epoch of 150
+    # iterations; lr 0.003 instead of the official 0.01 (README: ID accuracy under separate forwards).
+    "quick": MCDConfig(**_QUICK, finetune_lr=0.003),
+    "quick-step-b": MCDConfig(**_QUICK, **_STEP_B),  # the same pre-trained network, the blog's fine-tuning
+    # Notebooks 04-05 in full mode: the "quick" pre-trained network, 3 fine-tuning epochs.
+    "notebook": MCDConfig(**_QUICK, finetune_epochs=3, finetune_lr=0.003, strategies=("separate",)),
+    # Notebooks 04-05 with MCD_QUICK=1 (<= 3 minutes each on 2 cores, cold cache): 15,000 training images, 2
+    # pre-training epochs, 3 fine-tuning epochs of 30 steps of 64 + 64 at lr 0.005 (0.01 raises the labeled CE
+    # within so few steps), 500 + 500 validation images, 1,500 ID test images, 1,000-image generated OOD sets.
+    "notebook-quick": MCDConfig(train_subset=15_000, test_subset=1500, n_val=500, ood_size=1000, pretrain_epochs=2,
+                                pretrain_milestones=(1,), steps_per_epoch=30, finetune_epochs=3, finetune_lr=0.005,
+                                batch_size_sup=64, batch_size_unsup=64, strategies=("separate",),
+                                odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.001, 0.002, 0.004)),
+    "paper-cifar10-densenet": MCDConfig(id_dataset="cifar10", model="densenet_bc_100", **_PAPER),
+    "paper-cifar10-wrn": MCDConfig(id_dataset="cifar10", model="wrn_28_10", **_PAPER),
+    "paper-cifar100-densenet": MCDConfig(id_dataset="cifar100", model="densenet_bc_100", **_PAPER),
+    "paper-cifar100-wrn": MCDConfig(id_dataset="cifar100", model="wrn_28_10", **_PAPER),
+    "unofficial-cifar10-densenet": MCDConfig(id_dataset="cifar10", model="densenet_bc_100", **{**_PAPER, **_STEP_B}),
+}
+"""Named presets of ``reproduce --preset NAME``; every field can still be overridden by its flag.
+Not reproduced (no field): the unofficial pre-training's flips and padded crops."""
+
+
+def get_preset(name: str, **overrides) -> MCDConfig:
+    """A copy of preset ``name`` with ``overrides`` applied.
+
+    Raises:
+        KeyError: an unknown preset (the message lists them). TypeError: an override that is no field.
+    """
+    if name not in PRESETS:
+        raise KeyError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}.")
+    return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,0 +1,347 @@
+"""Data: Fashion-MNIST and CIFAR as ID sets, the OOD sets, and where the files live.
+
+* Folders: data is looked for in :func:`data_dir` (``$MCD_DATA_DIR``, else ``~/.cache/mcd_helpers``)
+  and, when that cannot be written, in :func:`cache_dir`, where downloads and cached results go
+  (``$MCD_CACHE_DIR``, else the user cache).
+* Fashion-MNIST (Xiao et al. 2017), the CPU-sized ID set: ``<folder>/FashionMNIST/raw/`` (torchvision's
+  layout; the four IDX files ``.gz`` or extracted), then the Debian package ``dataset-fashion-mnist``
+  (read in place), then torchvision's download (into a private folder, renamed into place, so
+  concurrent runs never see half-written files). Files are read in memory, never extracted.
+* CIFAR-10/100 (Krizhevsky 2009) through torchvision's classes (download and MD5 checks), ODIN's
+  OOD folders (Liang et al., ICLR 2018, arXiv 1706.02690; github.com/facebookresearch/odin) from
+  their MD5-checked archives, read in ``ImageFolder`` order as the official loader does
+  (github.com/YU1ut/UOOD-MCD ``utils/loader.py``), RGB, ``Resize(32)``, ``CenterCrop(32)``.
+* Offline OOD sets for Fashion-MNIST (28x28): ``digits`` (scikit-learn's 1,797 8x8 digits,
+  upsampled), ``photo_crops`` (random crops of scikit-learn's two sample photos, the analog of the
+  paper's "crop" sets), ODIN's ``gaussian`` (``clamp(N(0.5, 1), 0, 1)``) and ``uniform`` noise; ``mnist``
+  when it can be had.
+
+Images come back as ``(N, C, H, W)`` float32, normalised as the official code does (Fashion-MNIST
+with its training set's mean and std; CIFAR with mean (125.3, 123.0, 113.9)/255, std (63.0, 62.1,
+66.7)/255). Missing or damaged data raises :class:`~mcd_helpers.errors.DataNotFoundError` naming
+where it looked and the fix.
+"""
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from .errors import DataNotFoundError
+
+FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530  # over the 60k training images, pixels in [0, 1]
+CIFAR_MEAN = (125.3 / 255, 123.0 / 255, 113.9 / 255)  # official code (and ODIN's)
+CIFAR_STD = (63.0 / 255, 62.1 / 255, 66.7 / 255)
+DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+ID_DATASETS = ("fashion_mnist", "cifar10", "cifar100")
+OFFLINE_OOD_SETS = ("digits", "photo_crops", "gaussian", "uniform")
+ODIN_ARCHIVES = {  # name -> (archive MD5 as pytorch-ood records it, URL from ODIN's README, the paper's name)
+    "Imagenet": ("7c0827e4246c3718a5ee076e999e52e5", "https://www.dropbox.com/s/avgm2u562itwpkl/Imagenet.tar.gz", "TINc"),
+    "Imagenet_resize": ("0f9ff11d45babf2eff5fe12281d1ac31",
+                        "https://www.dropbox.com/s/kp3my3412u5k9rl/Imagenet_resize.tar.gz", "TINr"),
+    "LSUN": ("458a0a0ab8e5f1cb4516d7400568e460", "https://www.dropbox.com/s/fhtsw1m3qxlwj6h/LSUN.tar.gz", "LSUNc"),
+    "LSUN_resize": ("278b7b31c8cb7e804a1465a8ce03a2dc", "https://www.dropbox.com/s/moqh2wh8696c3yl/LSUN_resize.tar.gz",
+                    "LSUNr"),
+    "iSUN": ("be77b0f2c26fda898afac5f99645ee70", "https://www.dropbox.com/s/ssz7qxfqae0cca5/iSUN.tar.gz", "iSUN"),
+}
+OOD_SETS = {"fashion_mnist": OFFLINE_OOD_SETS + ("mnist",), "cifar10": (*ODIN_ARCHIVES, "gaussian", "uniform"),
+            "cifar100": (*ODIN_ARCHIVES, "gaussian", "uniform")}
+_IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+        "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+# ---- folders ------------------------------------------------------------------------------------
+
+def _user_cache() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mcd_helpers"
+
+
+def data_dir() -> Path:
+    """``$MCD_DATA_DIR`` when set, else ``~/.cache/mcd_helpers`` (``$XDG_CACHE_HOME`` respected)."""
+    return Path(os.environ["MCD_DATA_DIR"]).expanduser() if os.environ.get("MCD_DATA_DIR") else _user_cache()
+
+
+def writable(folder: Path) -> bool:
+    """Whether ``folder`` exists or can be made, and a file can be created in it (a probe, then deleted)."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+        return True
+    except OSError:
+        return False
+
+
+def cache_dir() -> Path:
+    """Where downloads and cached stages go: :func:`data_dir` when writable, else ``$MCD_CACHE_DIR`` or the
+    user cache. Raises ``PermissionError`` naming both when neither can be written."""
+    fallback = Path(os.environ.get("MCD_CACHE_DIR") or _user_cache()).expanduser()
+    for folder in dict.fromkeys([data_dir(), fallback]):
+        if writable(folder):
+            return folder
+    raise PermissionError(f"neither the data folder {data_dir()} nor the cache folder {fallback} can be written; "
+                          "set MCD_CACHE_DIR to a writable folder.")
+
+
+def _roots() -> list[Path]:
+    return list(dict.fromkeys([data_dir(), cache_dir()]))
+
+
+# ---- IDX files: Fashion-MNIST and MNIST ------------------------------------------------------------
+
+def read_idx(path: Path, fix: str = "") -> torch.Tensor:
+    """An IDX file of unsigned bytes (MNIST's format, yann.lecun.com/exdb/mnist), ``.gz`` or not, read in memory.
+
+    Returns a uint8 tensor of the header's shape: ``(N, H, W)`` images or ``(N,)`` labels.
+
+    Raises:
+        DataNotFoundError: not gzip or cut short, a magic number other than 00000803/00000801, or a
+            length other than the header's; the message names the file, the problem and ``fix``.
+    """
+    path = Path(path)
+    try:
+        data = gzip.open(path).read() if path.name.endswith(".gz") else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as err:  # BadGzipFile is an OSError; a cut gzip an EOFError
+        raise DataNotFoundError(f"{path} cannot be read ({type(err).__name__}: {err}): it is cut short or not a "
+                                f"gzip file. {fix}") from err
+    if len(data) < 4 or data[:3] != b"\0\0\x08" or data[3] not in (1, 3):
+        raise DataNotFoundError(f"{path} is not an IDX file of images or labels: its first bytes are "
+                                f"{data[:4].hex() or 'missing'}, expected 00000803 (images) or 00000801 (labels). {fix}")
+    head = 4 + 4 * data[3]
+    dims = struct.unpack(f">{data[3]}I", data[4:head]) if len(data) >= head else None
+    want = head + int(np.prod(dims)) if dims is not None else head
+    if len(data) != want:
+        raise DataNotFoundError(f"{path} is {'cut short' if len(data) < want else 'longer than its header says'}: "
+                                f"{len(data)} bytes, its header's shape {dims} needs {want}. {fix}")
+    return torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8).view(*dims)
+
+
+def _find(folder: Path, names) -> dict[str, Path] | None:
+    """``{name: path}`` when every file is in ``folder``, extracted or ``.gz`` (extracted preferred)."""
+    found = {n: next((p for p in (folder / n, folder / f"{n}.gz") if p.is_file()), None) for n in names}
+    return None if None in found.values() else found
+
+
+def _idx_files(cls_name: str, names, debian: Path | None = None) -> tuple[dict[str, Path], str]:
+    """The IDX files of torchvision's ``cls_name`` data set, and the fix to print if one is damaged."""
+    for root in _roots():
+        found = _find(root / cls_name / "raw", names)
+        if found:
+            return found, f"Delete it and put a good copy in {root / cls_name / 'raw'}, or delete it to download it again."
+    if debian is not None and _find(debian, names):
+        return _find(debian, names), "Reinstall the package: `sudo apt-get install --reinstall dataset-fashion-mnist`."
+    import torchvision.datasets
+
+    raw = cache_dir() / cls_name / "raw"
+    try:
+        with tempfile.TemporaryDirectory(prefix=".partial-", dir=cache_dir()) as tmp:
+            getattr(torchvision.datasets, cls_name)(tmp, train=False, download=True)
+            raw.mkdir(parents=True, exist_ok=True)
+            for f in sorted((Path(tmp) / cls_name / "raw").iterdir()):
+                os.replace(f, raw / f.name)  # atomic: a concurrent run sees whole files or none
+    except Exception as err:  # no network, a proxy, a full disk: all end the same way
+        places = [f"{r / cls_name / 'raw'}/ (.gz or extracted)" for r in _roots()]
+        if debian is not None:
+            places.append(f"{debian} (`sudo apt-get install dataset-fashion-mnist`)")
+        raise DataNotFoundError(f"{cls_name} was not found. Looked in: {'; '.join(places)} ($MCD_DATA_DIR = "
+                                f"{os.environ.get('MCD_DATA_DIR') or '(not set)'}); torchvision's download failed "
+                                f"({type(err).__name__}: {err}). Connect to the internet or put the files there.") from err
+    return _find(raw, names), "Delete it to download it again."
+
+
+def _read_split(cls_name: str, split: str, debian: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    files, fix = _idx_files(cls_name, _IDX["train"] + _IDX["test"] if debian else _IDX["test"], debian)
+    images, labels = (files[n] for n in _IDX[split])
+    x, y = read_idx(images, fix), read_idx(labels, fix)
+    if x.dim() != 3 or tuple(x.shape[1:]) != (28, 28) or y.dim() != 1 or len(y) != len(x) or (len(y) and y.max() > 9):
+        raise DataNotFoundError(f"{images} ({tuple(x.shape)}) and {labels} ({tuple(y.shape)}, labels up to "
+                                f"{int(y.max()) if len(y) else '-'}) are not 28x28 images with one label 0-9 each. {fix}")
+    return x.unsqueeze(1).float().div_(255.0), y.long()  # (N, 1, 28, 28) in [0, 1]
+
+
+def load_fashion_mnist(train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fashion-MNIST: ``x (N, 1, 28, 28)`` float32 normalised, ``y (N,)`` int64 in [0, 10); N = 60,000 or 10,000.
+
+    Raises:
+        DataNotFoundError: when no place holds it (the message names them) or a file is damaged.
+    """
+    x, y = _read_split("FashionMNIST", "train" if train else "test", DEBIAN_FMNIST_DIR)
+    return (x - FMNIST_MEAN) / FMNIST_STD, y
+
+
+# ---- CIFAR and ODIN's folders (torchvision) ---------------------------------------------------------
+
+def normalize_cifar(x: torch.Tensor) -> torch.Tensor:
+    """Pixels in [0, 1] ``(N, 3, H, W)`` -> ``(x - mean_c) / std_c`` with the official code's constants."""
+    return (x - torch.tensor(CIFAR_MEAN).view(1, 3, 1, 1)) / torch.tensor(CIFAR_STD).view(1, 3, 1, 1)
+
+
+def _archive(folder: str, filename: str, md5: str, url: str, what: str) -> Path:
+    """The root holding ``folder``; when no root does, the MD5-checked archive (found, else downloaded)
+    is extracted into :func:`cache_dir`. Raises DataNotFoundError naming the file, its MD5 and the URL."""
+    for root in _roots():
+        if (root / folder).is_dir():
+            return root
+    from torchvision.datasets.utils import check_integrity, download_and_extract_archive
+
+    src = next((r for r in _roots() if (r / filename).exists()), None)
+    if src is not None and not check_integrity(str(src / filename), md5):
+        raise DataNotFoundError(f"{src / filename} is corrupt or not the expected file (its MD5 is not {md5}). "
+                                f"Delete it and download it again from {url}.")
+    try:
+        download_and_extract_archive(url, src or cache_dir(), extract_root=cache_dir(), filename=filename, md5=md5)
+    except Exception as err:
+        raise DataNotFoundError(f"{what} was not found: looked for {folder}/ and {filename} in "
+                                f"{', '.join(map(str, _roots()))}; the download from {url} failed ({type(err).__name__}: "
+                                f"{err}). Download {filename} (MD5 {md5}) and put it in {data_dir()} ($MCD_DATA_DIR).") from err
+    return cache_dir()
+
+
+def load_cifar(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """CIFAR-10 or CIFAR-100 (fine labels): ``x (N, 3, 32, 32)`` float32 normalised, ``y (N,)`` int64.
+
+    Raises:
+        ValueError: an unknown name. DataNotFoundError: missing, undownloadable, or a corrupt batch file.
+    """
+    from torchvision.datasets import CIFAR10, CIFAR100
+
+    if name not in ("cifar10", "cifar100"):
+        raise ValueError(f"unknown CIFAR data set {name!r}; choose from cifar10, cifar100.")
+    cls = CIFAR10 if name == "cifar10" else CIFAR100
+    root = _archive(cls.base_folder, cls.filename, cls.tgz_md5, cls.url, cls.__name__)
+    try:
+        ds = cls(str(root), train=train, download=False)
+    except RuntimeError as err:  # torchvision: "Dataset not found or corrupted" (a batch file's MD5)
+        raise DataNotFoundError(f"{root / cls.base_folder} is incomplete or a file in it is corrupt ({err}). Delete the "
+                                f"folder and {cls.filename} to download {cls.url} (MD5 {cls.tgz_md5}) again.") from err
+    x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).float().div_(255.0)  # (N, 3, 32, 32)
+    return normalize_cifar(x), torch.as_tensor(ds.targets, dtype=torch.long)
+
+
+def load_odin_folder(name: str) -> torch.Tensor:
+    """One of ODIN's OOD sets (:data:`ODIN_ARCHIVES`) as ``(N, 3, 32, 32)`` float32, normalised like CIFAR."""
+    from torchvision import transforms
+    from torchvision.datasets import ImageFolder
+
+    md5, url, _ = ODIN_ARCHIVES[name]
+    root = _archive(name, f"{name}.tar.gz", md5, url, f"ODIN's {name} set")
+    tf = transforms.Compose([transforms.Resize(32), transforms.CenterCrop(32), transforms.PILToTensor()])
+    try:
+        images = [img for img, _ in ImageFolder(str(root / name), transform=tf)]  # official order, RGB
+    except (FileNotFoundError, RuntimeError) as err:
+        raise DataNotFoundError(f"no images in the sub-folders of {root / name} ({err}); delete it and extract "
+                                f"{name}.tar.gz (from {url}) again.") from err
+    return normalize_cifar(torch.stack(images).float().div_(255.0))
+
+
+def data_present(id_dataset: str, ood_sets=ODIN_ARCHIVES) -> bool:
+    """Whether a CIFAR ID set and ODIN's folders in ``ood_sets`` are on disk (folders or archives; no
+    checksums): can a notebook run the paper's protocol here?"""
+    base = {"cifar10": "cifar-10", "cifar100": "cifar-100"}[id_dataset]
+    names = [(f"{base}-batches-py" if id_dataset == "cifar10" else "cifar-100-python", f"{base}-python.tar.gz")]
+    names += [(o, f"{o}.tar.gz") for o in ood_sets if o in ODIN_ARCHIVES]
+    return all(any((r / a).is_dir() or (r / b).exists() for r in _roots()) for a, b in names)
+
+
+# ---- the data sets by name ------------------------------------------------------------------------
+
+def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ID set of :data:`ID_DATASETS`: ``x (N, C, H, W)`` normalised, ``y (N,)``. ValueError on another name."""
+    if name == "fashion_mnist":
+        return load_fashion_mnist(train)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar(name, train)
+    raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
+
+
+def odin_noise(name: str, n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """ODIN's noise sets, pixels in [0, 1] (not normalised), ``(n, *shape)`` float32 from a generator
+    seeded with ``seed``: ``gaussian`` ``clamp(N(0.5, 1), 0, 1)``, ``uniform`` ``U[0, 1]`` per pixel."""
+    if name not in ("gaussian", "uniform") or n < 1:
+        raise ValueError(f"a noise set is gaussian or uniform with n >= 1 samples, got {name!r}, n={n}.")
+    g = torch.Generator().manual_seed(seed)
+    if name == "gaussian":
+        return torch.clamp(torch.randn((n, *shape), generator=g) + 0.5, 0.0, 1.0)
+    return torch.rand((n, *shape), generator=g)
+
+
+def _photo_crops(n: int, g: torch.Generator) -> torch.Tensor:
+    from sklearn.datasets import load_sample_images
+    from torchvision.transforms.functional import rgb_to_grayscale
+
+    photos = [rgb_to_grayscale(torch.from_numpy(np.array(img)).permute(2, 0, 1)).float().div_(255.0)
+              for img in load_sample_images().images]  # two (1, 427, 640) grayscale photos
+    crops = []
+    for i in torch.randint(len(photos), (n,), generator=g).tolist():
+        _, h, w = photos[i].shape
+        top, left = int(torch.randint(h - 27, (1,), generator=g)), int(torch.randint(w - 27, (1,), generator=g))
+        crops.append(photos[i][:, top:top + 28, left:left + 28])
+    return torch.stack(crops)  # (n, 1, 28, 28)
+
+
+def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
+    """An OOD set for ``id_dataset`` (:data:`OOD_SETS`), normalised like it: ``(N, C, H, W)`` float32.
+
+    Fashion-MNIST, ``(N, 1, 28, 28)``: ``digits`` (N = 1,797), ``photo_crops``, ``gaussian``,
+    ``uniform`` (N = ``n``, drawn with ``seed``), ``mnist`` (its 10,000 test images). CIFAR,
+    ``(N, 3, 32, 32)``: ODIN's folders (N fixed by the folder) or ``gaussian``/``uniform``.
+
+    Raises:
+        ValueError: an unknown name or ``n < 1``. DataNotFoundError: ``mnist`` or an ODIN folder that
+            is neither on disk nor downloadable.
+    """
+    if name not in OOD_SETS.get(id_dataset, ()):
+        raise ValueError(f"unknown OOD set {name!r} for {id_dataset}; choose from "
+                         f"{', '.join(OOD_SETS.get(id_dataset, ())) or 'none (unknown ID set)'}.")
+    if n < 1:
+        raise ValueError(f"an OOD set needs at least one sample, got n={n}.")
+    if id_dataset != "fashion_mnist":
+        return load_odin_folder(name) if name in ODIN_ARCHIVES else normalize_cifar(odin_noise(name, n, (3, 32, 32), seed))
+    if name == "digits":
+        from sklearn.datasets import load_digits
+        from torchvision.transforms.functional import resize
+
+        x8 = torch.from_numpy(load_digits().images).float().div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8)
+        x = resize(x8, [28, 28], antialias=True).clamp_(0.0, 1.0)
+    elif name == "photo_crops":
+        x = _photo_crops(n, torch.Generator().manual_seed(seed))
+    elif name == "mnist":
+        x = _read_split("MNIST", "test")[0]
+    else:
+        x = odin_noise(name, n, (1, 28, 28), seed)
+    return (x - FMNIST_MEAN) / FMNIST_STD
+
+
+def pixel_std(id_dataset: str):
+    """The std (pixel units) that normalises ``id_dataset``'s images: one number or one per channel."""
+    return FMNIST_STD if id_dataset == "fashion_mnist" else CIFAR_STD
+
+
+def infinite_loader(loader) -> Iterator:
+    """Yield batches forever, iterating ``loader`` again each time it runs out.
+
+    Each pass starts a new iterator, so a shuffling loader reshuffles and nothing is stored. Use it
+    to pair a labeled loader with an unlabeled one of another length (the official code restarts its
+    unlabeled iterator each epoch). Not ``itertools.cycle`` (it stores the first pass and replays it
+    unshuffled), not ``zip`` (it stops at the shorter loader), never ``loader[i]`` (not subscriptable).
+
+    Raises:
+        ValueError: if the loader yields no batch at all (it would loop forever).
+    """
+    while True:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("infinite_loader got a loader that yields no batches "
+                             "(empty data set, or drop_last=True with fewer samples than batch_size).")

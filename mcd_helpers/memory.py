@@ -1,0 +1,171 @@
+"""What a Step B costs: the activations autograd keeps alive for backward, and the time of a step.
+
+One meter for every schedule and device, :class:`SavedTensorMeter`: the bytes of the tensors autograd
+**saves for backward** that are alive at the same time, counted through
+``torch.autograd.graph.saved_tensors_hooks``. A saved tensor adds its bytes when the graph saves it
+and subtracts them when autograd frees it; a tensor saved by two nodes counts once; tensors that live
+whatever the schedule (parameters, the input batches) are excluded. BatchNorm's ``running_mean`` and
+``running_var`` are saved by its backward node and counted (tiny next to the activations). This is
+the part of a step's memory that grows with the batch; gradients, optimizer state and the allocator's
+cache are not in it.
+
+Backward schedules of Step B (:data:`BACKWARD_SCHEDULES`), each leaving the gradient of
+CE1 + CE2 + discrepancy loss in ``.grad``:
+
+* ``"concat"``: one forward of ``cat([x_sup, x_unsup])``, one backward;
+* ``"separate"``: two forwards, one backward of the summed loss (both graphs alive at once);
+* ``"per_part_late"``: two forwards, then one backward per part (the first graph freed early);
+* ``"per_part"``: forward and backward of the labeled part, then of the unlabeled part (gradient
+  accumulation): one part's graph alive at a time.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .forwards import step_b_loss
+from .losses import discrepancy_loss, supervised_loss
+
+BACKWARD_SCHEDULES = ("concat", "separate", "per_part_late", "per_part")
+
+
+class _Packed:
+    """A saved tensor whose bytes leave the meter when autograd drops it."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, meter: "SavedTensorMeter", tensor: torch.Tensor, key: tuple):
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class SavedTensorMeter:
+    """Context manager: ``live_bytes`` and ``peak_bytes`` of the tensors autograd saves inside it.
+
+    ``exclude``: tensors whose memory is not counted (parameters, inputs that exist anyway). What was
+    saved inside the context is accounted until autograd frees it, also after the context exits.
+
+    Raises:
+        TypeError: if ``exclude`` holds anything but tensors (pass ``model.parameters()``, not the model).
+    """
+
+    def __init__(self, exclude=()):
+        exclude = list(exclude)
+        if not all(isinstance(t, torch.Tensor) for t in exclude):
+            raise TypeError("exclude must hold tensors (parameters, input batches), e.g. [*model.parameters(), x].")
+        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._refs: dict[tuple, int] = {}
+        self._bytes: dict[tuple, int] = {}
+        self.live_bytes = self.peak_bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda p: getattr(p, "tensor", p))
+
+    def _pack(self, t: torch.Tensor):
+        storage = t.untyped_storage().data_ptr()
+        if storage in self._excluded or t.numel() == 0:
+            return t
+        key = (storage, t.storage_offset(), t.numel(), t.dtype)  # the memory it views, not its whole storage
+        if not self._refs.get(key):
+            self._bytes[key] = t.numel() * t.element_size()
+            self.live_bytes += self._bytes[key]
+            self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._refs[key] = self._refs.get(key, 0) + 1
+        return _Packed(self, t.detach(), key)  # detached: a saved output holding its grad_fn would be a cycle
+
+    def _release(self, key: tuple) -> None:
+        self._refs[key] -= 1
+        if not self._refs[key]:
+            self.live_bytes -= self._bytes.pop(key)
+            del self._refs[key]
+
+    def __enter__(self) -> "SavedTensorMeter":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+
+@dataclass
+class StepCost:
+    """Result of :func:`step_cost`: ``peak_bytes`` and ``live_after_bytes`` (saved activations, bytes),
+    ``loss`` (nats), ``grads`` (name -> ``.grad``), ``ms_per_step`` (median, None when not timed)."""
+    schedule: str
+    peak_bytes: int
+    live_after_bytes: int
+    loss: float
+    ms_per_step: float | None
+    device: str
+    grads: dict = field(repr=False)
+
+
+def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> float:
+    if schedule in ("concat", "separate"):
+        loss = step_b_loss(m, x_sup, y_sup, x_unsup, schedule, margin)[0]
+        loss.backward()
+        return loss.item()
+    parts = (lambda: supervised_loss(*m(x_sup), y_sup), lambda: discrepancy_loss(*m(x_unsup), margin))
+    if schedule == "per_part":  # the labeled graph is freed before the unlabeled forward
+        return sum(_backward(part()) for part in parts)
+    losses = [part() for part in parts]  # per_part_late: both graphs built, then freed one by one
+    return sum(_backward(loss) for loss in losses)
+
+
+def _backward(loss: torch.Tensor) -> float:
+    loss.backward()
+    return loss.item()
+
+
+def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
+              schedule: str = "separate", repeats: int = 0, margin: float = 1.2) -> StepCost:
+    """Run one Step B ``schedule`` on a deep copy of ``model``: saved-activation memory, loss, gradients;
+    with ``repeats >= 1`` also the median time of that many more steps (each with an SGD step, lr 0.01;
+    CUDA-synchronised). The caller's model is untouched; inputs go to its device and dtype.
+
+    Shapes:
+        x_sup: ``(N_sup, ...)``, y_sup: ``(N_sup,)``, x_unsup: ``(N_unsup, ...)``.
+
+    Raises:
+        ValueError: an unknown schedule, negative ``repeats``, batches of different shapes, a model
+            with no trainable parameter. TypeError: inputs that are not tensors, a model that does not
+            return ``(logits1, logits2)``. RuntimeError: autograd disabled (``torch.no_grad()``).
+    """
+    if schedule not in BACKWARD_SCHEDULES:
+        raise ValueError(f"schedule must be one of {BACKWARD_SCHEDULES}, got {schedule!r}.")
+    if not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"repeats must be an integer >= 0, got {repeats!r}.")
+    if not all(isinstance(t, torch.Tensor) for t in (x_sup, y_sup, x_unsup)):
+        raise TypeError("x_sup, y_sup and x_unsup must be torch.Tensors (convert them with torch.as_tensor).")
+    if x_sup.shape[1:] != x_unsup.shape[1:]:
+        raise ValueError(f"x_sup {tuple(x_sup.shape)} and x_unsup {tuple(x_unsup.shape)} must agree but in the batch size.")
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise RuntimeError("step_cost measures the graphs autograd builds, but autograd is disabled here "
+                           "(torch.no_grad() or torch.inference_mode()): call it outside that block.")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(f"the model ({type(model).__name__}) has no parameter that requires a gradient: "
+                         "there is no backward to measure.")
+    m = copy.deepcopy(model)
+    p = next(m.parameters())
+    x_sup, x_unsup, y_sup = x_sup.to(p.device, p.dtype), x_unsup.to(p.device, p.dtype), y_sup.to(p.device)
+    m.zero_grad(set_to_none=True)
+    with SavedTensorMeter(exclude=[*m.parameters(), x_sup, x_unsup]) as meter:
+        loss = _run(m, x_sup, y_sup, x_unsup, schedule, margin)
+    grads = {k: q.grad.detach().clone() for k, q in m.named_parameters() if q.grad is not None}
+    times, opt, cuda = [], torch.optim.SGD(m.parameters(), lr=0.01), p.device.type == "cuda"
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(p.device)
+        start = time.perf_counter()
+        m.zero_grad(set_to_none=True)
+        _run(m, x_sup, y_sup, x_unsup, schedule, margin)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize(p.device)
+        times.append(time.perf_counter() - start)
+    ms = 1000 * sorted(times)[len(times) // 2] if times else None
+    return StepCost(schedule, meter.peak_bytes, meter.live_bytes, loss, ms, str(p.device), grads)

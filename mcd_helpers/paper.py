@@ -1,0 +1,135 @@
+"""The paper's reported numbers, and our results beside them with the gap per metric.
+
+Every number here is copied from a source, in % (the paper's unit; our rows hold fractions, multiplied
+by 100 here). The gap is ``ours - paper`` in percentage points: for AUROC a negative gap means we are
+worse, for FPR95 and detection error a positive one does.
+
+* :data:`PAPER_ROWS`, :data:`PAPER_SOURCE`: Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the results table
+  for DenseNet-BC (L = 100, k = 12) with CIFAR-10 as ID, ODIN / ELOC / MCD. Not checked against the
+  paper offline (nor the table's number): check arXiv 1908.04951 before citing a row.
+* :data:`UNOFFICIAL_ROWS`: the unofficial reproduction's AUROC on TINr (a figure of its README).
+* :data:`OPENOOD_ROWS`: OpenOOD v1.5's leaderboard results files (2025), ResNet-18, outlier data
+  disjoint from the test sets: context for the benchmark's protocols, not a like-for-like row.
+"""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .data import ODIN_ARCHIVES
+from .report import markdown_table
+
+PAPER_SOURCE = ("Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, CIFAR-10 as ID "
+                "(not verified offline)")
+UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupervised-Out-of-Distribution-Detection-by-"
+                     "Maximum-Classifier-Discrepancy (a figure of its README)")
+OPENOOD_SOURCE = ("OpenOOD v1.5 leaderboard results files (2025): ResNet-18, outlier data disjoint from the test sets, "
+                  "AUROC in % on its near-OOD and far-OOD groups")
+PAPER_METRICS = ("fpr95", "detection_error", "auroc")
+PAPER_OOD_SETS = ("TINc", "TINr", "LSUNc", "LSUNr", "iSUN")
+_NAN = float("nan")
+_TABLE = {  # OOD -> metric -> (ODIN, ELOC, MCD), %; "-" in the paper (ELOC on iSUN) is NaN
+    "TINc": {"fpr95": (3.6, 1.5, 0.1), "detection_error": (4.2, 3.0, 0.7), "auroc": (99.2, 99.6, 99.9)},
+    "TINr": {"fpr95": (10.1, 3.2, 1.7), "detection_error": (6.9, 4.0, 2.3), "auroc": (98.2, 99.3, 99.6)},
+    "LSUNc": {"fpr95": (6.0, 3.4, 0.2), "detection_error": (5.3, 4.1, 0.7), "auroc": (98.7, 99.3, 99.9)},
+    "LSUNr": {"fpr95": (3.5, 1.4, 0.4), "detection_error": (4.2, 2.7, 1.1), "auroc": (99.2, 99.6, 99.9)},
+    "iSUN": {"fpr95": (5.9, _NAN, 0.6), "detection_error": (5.3, _NAN, 1.3), "auroc": (98.9, _NAN, 99.9)},
+}
+PAPER_ROWS = [{"source": "paper", "id_dataset": "cifar10", "model": "densenet_bc_100", "ood": ood, "method": method,
+               **{k: _TABLE[ood][k][i] for k in PAPER_METRICS}}
+              for ood in PAPER_OOD_SETS for i, method in enumerate(("odin", "eloc", "mcd"))]
+UNOFFICIAL_ROWS = [{"source": "unofficial reproduction", "id_dataset": "cifar10", "model": "densenet", "ood": "TINr",
+                    "method": "mcd", "auroc": 99.83, "auroc_std": 0.03, "runs": 3}]
+OPENOOD_ROWS = [  # oe: outlier exposure
+    {"id_dataset": "cifar10", "method": "mcd", "near_auroc": 91.03, "far_auroc": 91.00, "id_accuracy": 94.95},
+    {"id_dataset": "cifar10", "method": "msp", "near_auroc": 88.03, "far_auroc": 90.73},
+    {"id_dataset": "cifar10", "method": "energy", "near_auroc": 87.58, "far_auroc": 91.21},
+    {"id_dataset": "cifar10", "method": "oe", "near_auroc": 94.82, "far_auroc": 96.00},
+    {"id_dataset": "cifar100", "method": "mcd", "near_auroc": 77.07, "far_auroc": 74.72},
+    {"id_dataset": "cifar100", "method": "msp", "near_auroc": 80.27, "far_auroc": 77.76},
+]
+CIFAR_OOD_NAMES = {paper: ours for ours, (_, _, paper) in ODIN_ARCHIVES.items()}  # TINc -> Imagenet, ...
+FMNIST_ANALOGS = {"TINc": "photo_crops", "LSUNc": "photo_crops"}  # crops of natural photos: the only offline analog
+_LABELS = {"fpr95": "FPR95", "detection_error": "det. error", "auroc": "AUROC"}
+
+
+def beside_paper(ours: Sequence[dict], id_dataset: str = "cifar10", ood_names: Mapping[str, str] | None = None,
+                 methods: Sequence[str] = ("odin", "mcd"), strategy: str = "separate") -> list[dict]:
+    """Our rows (fractions) beside the paper's: a row per (paper OOD set, method, metric)
+    ``{"ood", "ours_ood", "method", "metric", "paper", "ours", "gap"}`` in % (NaN where a side is missing).
+
+    ``ood_names``: paper OOD name -> ours (default :data:`CIFAR_OOD_NAMES`, or :data:`FMNIST_ANALOGS` off CIFAR).
+
+    Raises:
+        ValueError: a method the paper does not report, or two rows for one (OOD set, method): average seeds first.
+    """
+    if not set(methods) <= {"odin", "eloc", "mcd"}:
+        raise ValueError(f"the paper reports odin, eloc and mcd; cannot compare {sorted(set(methods) - {'odin', 'eloc', 'mcd'})}.")
+    ood_names = ood_names or (CIFAR_OOD_NAMES if id_dataset.startswith("cifar") else FMNIST_ANALOGS)
+    index: dict[tuple, dict] = {}
+    for r in ours:
+        if r["id_dataset"] == id_dataset and (r["method"] != "mcd" or r.get("strategy") == strategy):
+            if (r["ood_dataset"], r["method"]) in index:
+                raise ValueError(f"two result rows for {(r['ood_dataset'], r['method'])}; average the seeds first.")
+            index[(r["ood_dataset"], r["method"])] = r
+    out = []
+    for p in (p for p in PAPER_ROWS if p["method"] in methods):
+        mine = index.get((ood_names.get(p["ood"]), p["method"]))
+        for k in PAPER_METRICS:
+            ours_pct = 100.0 * mine[k] if mine is not None else _NAN
+            out.append({"ood": p["ood"], "ours_ood": ood_names.get(p["ood"]), "method": p["method"], "metric": k,
+                        "paper": p[k], "ours": ours_pct, "gap": ours_pct - p[k]})
+    return out
+
+
+def beside_paper_markdown(comparison: Sequence[dict], ours_label: str = "ours", paired_only: bool = False) -> str:
+    """A line per (paper OOD set, metric): the paper's ODIN / ELOC / MCD, ours and the gaps (%);
+    ``paired_only`` leaves out the lines where we have no number (a note names them)."""
+    fmt = lambda v, signed=False: "–" if v is None or np.isnan(v) else (f"{v:+.2f}" if signed else f"{v:.2f}")  # noqa: E731
+    by = {(c["ood"], c["method"], c["metric"]): c for c in comparison}
+    methods = [m for m in ("odin", "mcd") if any(k[1] == m for k in by)]
+    rows, dropped = [], []
+    for ood in PAPER_OOD_SETS:
+        for k in PAPER_METRICS:
+            paper = {p["method"]: p[k] for p in PAPER_ROWS if p["ood"] == ood}
+            mine = [by.get((ood, m, k)) for m in methods]
+            if paired_only and not any(c and np.isfinite(c["ours"]) for c in mine):
+                dropped.append(ood)
+                continue
+            ours_ood = next((c["ours_ood"] for c in mine if c and c["ours_ood"]), None) or "–"
+            rows.append([ood, ours_ood, _LABELS[k], *(fmt(paper[m]) for m in ("odin", "eloc", "mcd"))]
+                        + [fmt(c["ours"]) if c else "–" for c in mine] + [fmt(c["gap"], True) if c else "–" for c in mine])
+    header = ["OOD (paper)", f"OOD ({ours_label})", "metric", "ODIN", "ELOC", "MCD",
+              *(f"{ours_label} {m.upper()}" for m in methods), *(f"gap {m.upper()}" for m in methods)]
+    note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; FPR95 and detection "
+            f"error: lower is better). Paper: {PAPER_SOURCE}.")
+    if dropped:
+        note += f" Not shown: the paper's rows for {', '.join(dict.fromkeys(dropped))}, which have no counterpart in our run."
+    return markdown_table(header, rows, "lll" + "r" * (len(header) - 3)) + note
+
+
+def plot_beside_paper(comparison: Sequence[dict], title: str = "", ours_label: str = "ours"):
+    """Bars per paper OOD set, one panel per metric (%): the paper's ODIN and MCD against ours."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PAPER_METRICS), figsize=(4.6 * len(PAPER_METRICS), 4.3))
+    series = [("paper ODIN", "odin", "paper", "#9ecae1"), ("paper MCD", "mcd", "paper", "#3182bd"),
+              (f"{ours_label} ODIN", "odin", "ours", "#fdae6b"), (f"{ours_label} MCD", "mcd", "ours", "#e6550d")]
+    x = np.arange(len(PAPER_OOD_SETS))
+    for ax, k in zip(axes, PAPER_METRICS):
+        for j, (label, method, side, color) in enumerate(series):
+            vals = [next((c[side] for c in comparison if (c["ood"], c["method"], c["metric"]) == (o, method, k)), _NAN)
+                    for o in PAPER_OOD_SETS]
+            ax.bar(x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color)
+        ax.set_xticks(x, PAPER_OOD_SETS)
+        ax.set(title=f"{_LABELS[k]} ({'higher' if k == 'auroc' else 'lower'} is better)", xlabel="OOD set (paper's name)",
+               ylabel=f"{_LABELS[k]} (%)")
+        if k == "auroc":
+            finite = [c[s] for c in comparison for s in ("paper", "ours") if c["metric"] == k and np.isfinite(c[s])]
+            ax.set_ylim(max(0.0, min(finite, default=90.0) - 2.0), 100.5)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(series), fontsize=9, frameon=False)  # below the panels
+    fig.suptitle(title)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    return fig

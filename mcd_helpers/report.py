@@ -1,0 +1,215 @@
+"""Markdown tables of results (values in %), through one helper, :func:`markdown_table`.
+
+* :func:`results_markdown` -- ``reproduce``'s ``results.md``; :func:`methods_markdown`,
+  :func:`config_markdown` -- notebooks 04-05.
+* The benchmark's report: :func:`benchmark_tables` (summaries and paired differences), the other
+  views notebook 07 shows (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`),
+  and :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``) from ``results.json``'s
+  rows alone: ``write_report(json.load(f), folder)`` rebuilds it.
+"""
+from __future__ import annotations
+
+import io
+import math
+from pathlib import Path
+from typing import Sequence
+
+from .files import atomic_write
+from .metrics import METRIC_KEYS
+from .splits import PROTOCOLS
+from .stats import GROUP_KEYS, paired_differences, summarize
+
+KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a benchmark group: task, split, protocol, selection, method, OOD, network
+COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"))
+METRICS = ("auroc", "fpr95", "id_accuracy")
+NAMES = {"auroc": "AUROC", "fpr95": "FPR95", "id_accuracy": "ID acc.", "detection_error": "det. error",
+         "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}
+ALL_SPLITS = "all"  # class_split of the pairs pooled over every class split (a pair = one split and seed)
+
+
+def markdown_table(header: Sequence, rows: Sequence[Sequence], align: str = "") -> str:
+    """A Markdown table; ``align`` one letter per column (``l``/``r``; default all left)."""
+    marks = ["---:" if c == "r" else "---" for c in (align or "l" * len(header))]
+    return "\n".join("| " + " | ".join(map(str, line)) + " |" for line in [header, marks, *rows])
+
+
+def _ci(ci: dict, signed: bool = False) -> str:
+    return f"{100 * ci['mean']:{'+' if signed else ''}.2f} ± {100 * ci['half_width']:.2f}"
+
+
+def method_label(g: dict) -> str:
+    """A row's or group's name: "MSP (pre-trained)", "MCD concat", "MCD separate (GroupNorm)"."""
+    if g["method"] != "mcd":
+        return {"msp": "MSP", "odin": "ODIN", "energy": "energy"}[g["method"]] + " (pre-trained)"
+    return f"MCD {g['strategy']}" + (" (GroupNorm)" if g.get("norm") == "group" else "")
+
+
+def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
+    """``reproduce``'s table, one line per row, metrics in %, and the failed OOD sets if any."""
+    lines = [[r["id_dataset"] + (f" {r['class_split']}" if r.get("class_split") else ""), r["ood_dataset"], r["method"],
+              r["strategy"] or "-", *(f"{100 * r[k]:.2f}" for k in (*METRIC_KEYS, "id_accuracy"))] for r in rows]
+    text = markdown_table(["ID", "OOD", "method", "strategy", "FPR95", "det. error", "AUROC", "AUPR-In", "AUPR-Out",
+                           "ID acc."], lines, "llll" + "r" * 6)
+    text += "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
+    if failures:
+        text += "\n**Failed OOD sets** (no rows):\n\n" + "".join(f"- {k}: {v}\n" for k, v in failures.items())
+    return text
+
+
+def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = ("msp", "odin", "energy", "mcd")) -> str:
+    """One line per OOD set: AUROC and FPR95 of each method (%, the best in bold), F1's ID accuracy before and after MCD."""
+    names = {"msp": "MSP", "odin": "ODIN", "energy": "energy", "mcd": "MCD"}
+    lines = []
+    for ood in dict.fromkeys(r["ood_dataset"] for r in rows):
+        by = {r["method"]: r for r in rows if r["ood_dataset"] == ood}
+        cells = [ood]
+        for key, best in (("auroc", max), ("fpr95", min)):
+            top = best(by[m][key] for m in methods if m in by)
+            cells += ["–" if m not in by else f"**{100 * by[m][key]:.2f}**" if by[m][key] == top else f"{100 * by[m][key]:.2f}"
+                      for m in methods]
+        lines.append(cells + [f"{100 * by[m]['id_accuracy']:.2f}" if m in by else "–" for m in ("msp", "mcd")])
+    header = ["OOD set", *(f"{k} {names[m]}" for k in ("AUROC", "FPR95") for m in methods), "ID acc. pre-trained", "ID acc. MCD"]
+    return (markdown_table(header, lines, "l" + "r" * (len(header) - 1)) + "\n\nAll numbers in %. AUROC: higher is "
+            "better; FPR95 (OOD accepted at 95% ID accepted): lower is better.")
+
+
+def config_markdown(cfg) -> str:
+    """A config's main settings as a two-column table."""
+    steps = cfg.steps_per_epoch or "one pass over the labeled set"
+    rows = [("ID set, model", f"{cfg.id_dataset}, {cfg.model} ({cfg.norm} norm)"),
+            ("training images (labeled)", f"{cfg.train_subset:,}" if cfg.train_subset else "all"),
+            ("ID test images", f"{cfg.test_subset:,}" if cfg.test_subset else "all"),
+            ("generated OOD images per set", f"{cfg.ood_size:,}"), ("validation images, ID + OOD", f"{cfg.n_val} + {cfg.n_val}"),
+            ("pre-training", f"{cfg.pretrain_epochs} epochs, SGD lr {cfg.pretrain_lr}, batch {cfg.pretrain_batch_size}, "
+                             f"lr × 0.1 at epochs {list(cfg.pretrain_milestones)}"),
+            ("fine-tuning schedule", "Step A then Step B" if cfg.schedule == "official" else "Step B only"),
+            ("fine-tuning", f"{cfg.finetune_epochs} epoch(s) × {steps} steps, SGD lr {cfg.finetune_lr}, weight decay "
+                            f"{cfg.finetune_weight_decay}"),
+            ("batch, labeled + unlabeled", f"{cfg.batch_size_sup} + {cfg.batch_size_unsup}"),
+            ("margin m", f"{cfg.margin} nats"),
+            ("ODIN grid", f"T ∈ {list(cfg.odin_temperatures)}, ε ∈ {list(cfg.odin_epsilons)}"), ("seed", str(cfg.seed))]
+    return markdown_table(["setting", "value"], rows)
+
+
+# ---- the benchmark ----------------------------------------------------------------------------------
+
+def _pooled(rows: Sequence[dict]) -> list[dict]:
+    """The rows with every class split pooled: split ``all``, a pair per split and seed."""
+    return [{**r, "class_split": ALL_SPLITS, "seed": f"{r['class_split']}:{r['seed']}"} for r in rows]
+
+
+def _pairs(rows: Sequence[dict], keys=KEYS) -> list[dict]:
+    strategies = {r["strategy"] for r in rows}
+    return [d for a, b in COMPARISONS if {a, b} <= strategies for m in METRICS
+            for d in paired_differences([r for r in rows if r["strategy"] in (a, b)], a, b, m, keys)]
+
+
+def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[dict]]:
+    """``(summary, paired)`` of ``task``'s rows: mean and 95% CI of AUROC, FPR95 and ID accuracy per group of
+    :data:`KEYS` and strategy, and each comparison of :data:`COMPARISONS` per group (with several class
+    splits also pooled over them, ``class_split = "all"``). ValueError from the statistics."""
+    mine = [r for r in rows if r["task"] == task]
+    paired = _pairs(mine)
+    if len({r["class_split"] for r in mine}) > 1:
+        paired += _pairs(_pooled(mine))
+    return summarize(mine, METRICS, KEYS + ("strategy",)), paired
+
+
+def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric: str = "auroc",
+                        task: str = "near-ood") -> list[dict]:
+    """Paired differences ``a - b`` of two values of ``field`` (``"protocol"`` or ``"selection"``): a pair is one
+    seed (and split) of the same method, network and strategy (``arm``; ``"-"`` for baselines), all else equal."""
+    if field not in ("protocol", "selection"):
+        raise ValueError(f"field must be 'protocol' or 'selection', got {field!r}.")
+    keys = ("task", "class_split", "selection" if field == "protocol" else "protocol", "method", "ood_dataset", "norm", "arm")
+    mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows if r["task"] == task and r[field] in (a, b)]
+    pooled = _pooled(mine) if len({r["class_split"] for r in mine}) > 1 else []
+    return paired_differences(mine, a, b, metric, keys) + (paired_differences(pooled, a, b, metric, keys) if pooled else [])
+
+
+def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
+    """The summary of ``task``'s rows over every class split and seed together (a value per split and seed)."""
+    return summarize([r for r in rows if r["task"] == task], METRICS, tuple(k for k in KEYS + ("strategy",) if k != "class_split"))
+
+
+def protocol_order(protocols) -> list[str]:
+    """The distinct protocols in :data:`~mcd_helpers.splits.PROTOCOLS` order (others after, alphabetically)."""
+    return sorted(set(protocols), key=lambda p: (PROTOCOLS.index(p) if p in PROTOCOLS else len(PROTOCOLS), p))
+
+
+def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
+    """A line per method (and strategy, network), a column per protocol: ``metric`` in %, mean ± CI."""
+    entries = [g for g in summary if g["selection"] == selection]
+    protocols, by = protocol_order(g["protocol"] for g in entries), {}
+    for g in entries:
+        by.setdefault(method_label(g), {})[g["protocol"]] = g
+    lines = [[name, min(g["n"] for g in cells.values())] + [_ci(cells[p][metric]) if p in cells else "-" for p in protocols]
+             for name, cells in by.items()]
+    return markdown_table(["method", "n", *(f"{p}: {NAMES.get(metric, metric)} (%)" for p in protocols)], lines)
+
+
+def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float | None = None) -> str:
+    """The whole ``summary.md``: per task (near-OOD, far-OOD) the summary per selection and the paired differences."""
+    parts = [f"# {title}", "", f"{len(rows)} rows, seeds {sorted({r['seed'] for r in rows})}. Metrics in %: AUROC, FPR95 "
+             "(ID positive, at 95% TPR; lower is better) and F1's ID test accuracy. MCD rows are fine-tuned networks, "
+             "MSP/ODIN/energy the pre-trained BatchNorm one. Each cell: mean ± half-width of the 95% confidence interval "
+             "over seeds (Student t)."]
+    if seconds is not None:
+        parts.append(f"\nWall time of this run: {seconds / 60:.1f} min (stages found in the cache are not retrained).")
+    for task, heading in (("near-ood", "Near-OOD: held-out classes"), ("far-ood", "Far-OOD rows (transductive)")):
+        mine = [r for r in rows if r["task"] == task]
+        if not mine:
+            continue
+        summary, paired = benchmark_tables(rows, task)
+        splits, oods = sorted({r["class_split"] for r in mine}), sorted({r["ood_dataset"] for r in mine})
+        cols = ["split"] * (len(splits) > 1) + ["OOD"] * (len(oods) > 1)
+        parts += ["", f"## {heading}", "", f"Class splits {', '.join(splits)}; OOD: {', '.join(oods)}.", ""]
+        for selection in dict.fromkeys(g["selection"] for g in summary):
+            lines = [[g[{"split": "class_split", "OOD": "ood_dataset"}[c]] for c in cols]
+                     + [g["protocol"], method_label(g), g["n"], *(_ci(g[m]) for m in METRICS)]
+                     for g in summary if g["selection"] == selection]
+            parts += [f"**Model selection: {selection}**", "", markdown_table(
+                cols + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"], lines), ""]
+        by: dict[tuple, dict] = {}
+        for d in paired:
+            by.setdefault((d["class_split"], d["ood_dataset"], d["protocol"], d["selection"], d["norm"], d["a"], d["b"]),
+                          {})[d["metric"]] = d
+        lines = [[k[0]] * (len(splits) > 1) + [k[1]] * (len(oods) > 1)
+                 + [k[2], k[3], {"batch": "BatchNorm", "group": "GroupNorm"}[k[4]], f"{k[5]} − {k[6]}", ds["auroc"]["n"],
+                    *(_ci(ds[m], True) for m in METRICS),
+                    "n/a" if math.isnan(ds["auroc"]["p_value"]) else f"{ds['auroc']['p_value']:.2g}"] for k, ds in by.items()]
+        if lines:
+            parts += ["### Paired differences", "", "Same seed (and split) for both strategies; mean ± 95% CI half-width "
+                      "in percentage points, p of the two-sided paired t-test on AUROC"
+                      + (f"; split `{ALL_SPLITS}` pools every split" if len(splits) > 1 else "") + ".", "",
+                      markdown_table(cols + ["protocol", "selection", "network", "difference", "pairs",
+                                             *(f"Δ{NAMES[m]} (pp)" for m in METRICS), "p (AUROC)"], lines)]
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def forest_entries(paired: Sequence[dict]) -> list[dict]:
+    """The MCD AUROC differences the forest plot shows: pooled over splits when there are several."""
+    entries = [d for d in paired if d["method"] == "mcd" and d["metric"] == "auroc"]
+    return [d for d in entries if d["class_split"] == ALL_SPLITS] or entries
+
+
+def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", seconds: float | None = None) -> None:
+    """``summary.md`` and, with near-OOD rows, ``forest.png`` and ``by_protocol.png`` (the first selection) in ``folder``."""
+    import matplotlib.pyplot as plt
+
+    from .plots import forest_plot, plot_by_protocol
+
+    def png(fig) -> bytes:
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100)
+        plt.close(fig)
+        return buf.getvalue()
+
+    atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds))
+    if any(r["task"] == "near-ood" for r in rows):
+        summary, paired = benchmark_tables(rows, "near-ood")
+        if forest_entries(paired):
+            atomic_write(Path(folder) / "forest.png", png(forest_plot(forest_entries(paired), "auroc",
+                                                                  "MCD, held-out classes: paired AUROC differences (same seed)")))
+        series = [{**g, "method": method_label(g), "strategy": ""} for g in summary if g["selection"] == summary[0]["selection"]]
+        atomic_write(Path(folder) / "by_protocol.png", png(plot_by_protocol(series, "auroc")))

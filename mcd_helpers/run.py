@@ -1,0 +1,210 @@
+"""``python -m mcd_helpers reproduce``: the pipeline run into an output folder, and that folder's rules.
+
+The folder (:func:`output_folder`, shared with ``benchmark``): one run at a time (``<out>/.lock``, a
+``filelock.FileLock``); ``<out>/run.json`` says ``"status"``: ``running``, then ``finished``,
+``partial``, ``interrupted`` or ``failed``. Work an unfinished run left (stage checkpoints in
+``checkpoints/``, finished benchmark cells in ``cells/``) is never deleted silently: without
+``--resume`` (continue it) or ``--fresh`` (delete it and the earlier results) the run stops.
+
+A reproduction checks before any training everything that can be checked (the device, every OOD
+set, every split's sizes, errors naming the flag), then per OOD set runs
+:func:`~mcd_helpers.pipeline.run_ood_set` and writes ``hist_<ood>.png`` and ``roc_<ood>.png``; at
+the end ``config.json``, ``results.json`` and ``results.md`` together. An OOD set that fails later
+is recorded and the others still run. Under torchrun rank 0 alone writes.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from . import ddp
+from .config import MCDConfig
+from .data import cache_dir, data_dir, writable
+from .errors import ConfigError, TrainingInterrupted
+from .files import atomic_write, write_json
+from .pipeline import load_data, make_split, run_ood_set
+
+OUTPUTS = ("results.json", "results.md", "summary.md", "config.json", "forest.png", "by_protocol.png")
+
+
+def _read_run(out: Path) -> dict:
+    try:
+        return json.loads((out / "run.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def unfinished_work(out: Path) -> list[Path]:
+    """What an unfinished run left in ``out``: stage checkpoints always; finished benchmark cells unless
+    ``run.json`` says the run finished."""
+    out = Path(out)
+    left = sorted(out.glob("checkpoints/**/*.pt"))
+    return left if _read_run(out).get("status") == "finished" else left + sorted(out.glob("cells/*.json"))
+
+
+@contextlib.contextmanager
+def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool = False, quiet: bool = False):
+    """Lock ``out`` for this run, refuse to bury unfinished work, keep ``run.json``; yields a dict whose
+    entries (``status``, ``failures``, counts) go into ``run.json`` when the run ends. Rank 0 does the work.
+
+    Raises:
+        ConfigError: ``--resume`` with ``--fresh``; ``out`` a file, not writable, in use by another run
+            (field ``out``), or holding an unfinished run without ``--resume`` or ``--fresh`` (nothing deleted).
+    """
+    from filelock import FileLock, Timeout
+
+    out, info, lock = Path(out), {}, FileLock(Path(out) / ".lock")
+    if resume and fresh:
+        raise ConfigError("fresh", "--resume continues the work in --out and --fresh deletes it: pass one.")
+
+    def prepare() -> None:
+        if out.exists() and not out.is_dir() or not writable(out):
+            raise ConfigError("out", f"--out {out} is {'a file' if out.is_file() else 'not writable'}: choose a "
+                                     "writable folder (it is made if missing).")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            raise ConfigError("out", f"another run (PID {_read_run(out).get('pid', '?')}) is using --out {out}: one run "
+                                     "at a time per folder. Wait for it, or choose another --out.") from None
+        left = unfinished_work(out)
+        if left and not resume and not fresh:
+            lock.release()
+            shown = ", ".join(str(p.relative_to(out)) for p in left[:4]) + (" ..." if len(left) > 4 else "")
+            raise ConfigError("resume", f"{out} holds the work of an unfinished run ({shown}). Pass --resume to "
+                                        "continue it (same settings), --fresh to delete it and start over, or choose "
+                                        "another --out. Nothing was deleted.")
+        if fresh:
+            if left and not quiet:
+                print(f"--fresh: deleting the earlier run's checkpoints, cells and results in {out}", flush=True)
+            for path in [out / "checkpoints", out / "cells", out / "scores", *map(out.joinpath, OUTPUTS), out / "run.json",
+                         *out.glob("hist_*.png"), *out.glob("roc_*.png")]:
+                shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        write_json(out / "run.json", {"status": "running", "pid": os.getpid(), "resumed": resume,
+                                      "started": datetime.datetime.now().isoformat(timespec="seconds"), **settings})
+
+    def end(**fields) -> None:
+        if ddp.is_main():
+            write_json(out / "run.json", {**_read_run(out), **fields,
+                                          "updated": datetime.datetime.now().isoformat(timespec="seconds")})
+
+    ddp.rank0_first(lambda: prepare() if ddp.is_main() else None)
+    try:
+        yield info
+    except BaseException as err:
+        end(status="interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed",
+            error=f"{type(err).__name__}: {err}")
+        raise
+    else:
+        end(**{"status": "finished", **info})
+    finally:
+        if lock.is_locked:
+            lock.release()
+
+
+def check_split(cfg, split, name: str) -> None:
+    """Raise ConfigError (naming the flag) when a batch size is larger than the set it is drawn from."""
+    for field, batch, n in (("pretrain_batch_size", cfg.pretrain_batch_size, len(split.x_sup)),
+                            ("batch_size_sup", cfg.batch_size_sup, len(split.x_sup)),
+                            ("batch_size_unsup", cfg.batch_size_unsup, len(split.x_unsup))):
+        if batch > n:
+            raise ConfigError(field, f"{field}={batch} is larger than the {n} {'unlabeled' if 'unsup' in field else 'labeled'} "
+                                     f"images of {name} (train_subset={cfg.train_subset}, n_val={cfg.n_val}).")
+
+
+def _check_device(device: str) -> None:
+    kind = torch.device(device).type
+    ok = {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+          "mps": torch.backends.mps.is_available()}.get(kind, False)
+    if not ok:
+        raise ConfigError("device", f"device={device!r}, but PyTorch sees no such device here; run with --device cpu "
+                                    "(the paper presets default to cuda).")
+
+
+def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progress: bool = True, quiet: bool = False,
+                     resume: bool = False, fresh: bool = False) -> list[dict]:
+    """The reproduction of ``cfg`` into ``out_dir`` (see the module docstring); ``resume`` continues an
+    interrupted run exactly (on the CPU its results equal an uninterrupted run's); ``retrain`` computes
+    every stage again, each once.
+
+    Returns:
+        the rows of ``results.json``: per OOD set ``msp``, ``odin``, ``energy`` (the pre-trained network) and
+        one ``mcd`` row per strategy, metrics as fractions.
+
+    Raises:
+        ConfigError: a setting that cannot work (before any training; ``field`` names it).
+        DataNotFoundError: the ID data or an OOD set cannot be had (before training).
+        RuntimeError: some OOD sets failed after others were done (their rows are written), or a
+            checkpoint is unreadable. FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
+    """
+    cfg.check_ood_sets()
+    _check_device(cfg.device)
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    cfg = dataclasses.replace(cfg, device=ddp.setup(cfg.device))
+    out, quiet = Path(out_dir), quiet or not ddp.is_main()
+    log = None if quiet else (lambda msg: print(msg, flush=True))
+    with output_folder(out, {"config": cfg.to_dict()}, resume, fresh, quiet) as info:
+        if log and cache_dir() != data_dir():
+            log(f"note: {data_dir()} is read-only: data is read from it, downloads and caches go to {cache_dir()}.")
+        data = load_data(cfg)
+        for ood in cfg.ood_sets:  # every split made once before training: sizes, and OOD sets that cannot be had
+            check_split(cfg, make_split(cfg, data, ood), f"the {ood} split")
+        rows, failures, retrained = [], {}, set() if retrain else False
+        for ood in cfg.ood_sets:
+            try:
+                res = run_ood_set(cfg, data, ood, retrain=retrained, progress=progress and not quiet, log=log,
+                                  checkpoint_dir=out / "checkpoints", resume=resume)
+            except (TrainingInterrupted, ConfigError, KeyboardInterrupt, FloatingPointError, RuntimeError):
+                raise  # the run cannot go on: resume, or fix the setting, then rerun
+            except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
+                if ddp.world()[1] > 1:
+                    raise  # the ranks may be out of step: stop them all
+                failures[ood] = f"{type(err).__name__}: {err}"
+                if log:
+                    log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
+                continue
+            for r in res.rows:
+                r["world_size"] = ddp.world()[1]
+                if log:
+                    log(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}% | "
+                        f"FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%")
+            if ddp.is_main():
+                _plots(out, ood, cfg.id_dataset, res.scores)
+            rows += res.rows
+        if ddp.is_main():
+            from .report import results_markdown
+
+            blobs = {"config.json": json.dumps(cfg.to_dict(), indent=2) + "\n",
+                     "results.json": json.dumps(rows, indent=2, allow_nan=False) + "\n",
+                     "results.md": results_markdown(rows, failures)}  # all rendered first, then written
+            for name, text in blobs.items():
+                atomic_write(out / name, text)
+        info.update(status="partial" if failures else "finished", failures=failures)
+    if failures:
+        raise RuntimeError(f"{len(failures)} of {len(cfg.ood_sets)} OOD sets failed: "
+                           + "; ".join(f"{k}: {v}" for k, v in failures.items())
+                           + f". The rows of the others are in {out / 'results.json'}; the failures in run.json and results.md.")
+    return rows
+
+
+def _plots(out: Path, ood: str, id_dataset: str, scores: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .plots import plot_roc_curves, plot_score_histograms
+
+    name = "Fashion-MNIST" if id_dataset == "fashion_mnist" else id_dataset.upper().replace("CIFAR", "CIFAR-")
+    panels = {(f"MCD ({k[4:]})" if k.startswith("mcd:") else f"{'energy' if k == 'energy' else k.upper()} (pre-trained)"): v
+              for k, v in scores.items()}
+    for file, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"{name} (ID) vs {ood} (OOD)")),
+                      (f"roc_{ood}.png", plot_roc_curves(panels, f"{name} vs {ood}"))):
+        fig.savefig(out / file, dpi=110)
+        plt.close(fig)

@@ -1,0 +1,99 @@
+"""Statistics over seeds: Student-t confidence intervals and paired differences, through ``scipy.stats``.
+
+Rows are result dicts as in the benchmark's ``results.json``: grouping keys (``task``, ``class_split``,
+``protocol``, ``selection``, ``method``, ``strategy``, ...), a ``seed`` and metrics as fractions in
+[0, 1], which stay fractions here. For n values with mean m and sample standard deviation s, the
+interval is ``m ± t_{(1+c)/2, n-1} s / sqrt(n)`` (``scipy.stats.t.interval``); the paired test of
+d = a - b is the two-sided paired t-test (``scipy.stats.ttest_rel``). The two agree: p < 1 - c exactly
+when the interval excludes 0 (NIST/SEMATECH e-Handbook of Statistical Methods, 7.2.2 and 7.3.1).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+
+GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
+
+
+def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
+    """Mean of ``values`` ``(n,)`` with its Student-t interval: ``{"mean", "low", "high", "half_width", "n"}``.
+
+    Raises:
+        ValueError: fewer than 2 values, a NaN or inf (its index named), a confidence outside (0, 1).
+    """
+    if not 0 < confidence < 1:
+        hint = f" (did you mean {confidence / 100}?)" if 1 < confidence < 100 else ""
+        raise ValueError(f"confidence must be a fraction in (0, 1), got {confidence}{hint}.")
+    x = np.asarray(values, dtype=np.float64).ravel()
+    if x.size < 2:
+        raise ValueError(f"a confidence interval needs at least 2 values (seeds), got {x.size}; run more seeds.")
+    bad = np.flatnonzero(~np.isfinite(x))
+    if bad.size:
+        raise ValueError(f"values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a failed run upstream.")
+    half = float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+    return {"mean": float(x.mean()), "low": float(x.mean()) - half, "high": float(x.mean()) + half,
+            "half_width": half, "n": int(x.size)}
+
+
+def _groups(rows: Sequence[dict], keys: Sequence[str], metric: str) -> dict[tuple, list[tuple]]:
+    """``{key values: [(row's strategy, seed, metric value), ...]}``; ValueError naming a row without a field."""
+    out: dict[tuple, list[tuple]] = {}
+    for i, row in enumerate(rows):
+        missing = [k for k in (*keys, "strategy", "seed") if k not in row] + ([metric] if row.get(metric) is None else [])
+        if missing:
+            raise ValueError(f"row {i} has no field(s) {missing}; its fields are {sorted(row)}.")
+        out.setdefault(tuple(row[k] for k in keys), []).append((row["strategy"], row["seed"], float(row[metric])))
+    return out
+
+
+def summarize(rows: Sequence[dict], metrics: Sequence[str] = ("auroc", "fpr95", "id_accuracy"),
+              keys: Sequence[str] = GROUP_KEYS + ("strategy",), confidence: float = 0.95) -> list[dict]:
+    """Per group of rows equal on ``keys`` (in order of first appearance): the keys, ``n`` and
+    ``{metric: mean_ci(values)}``. ValueError: a missing field, a group of one row or a NaN (named)."""
+    groups = {}
+    for metric in metrics:
+        for key, members in _groups(rows, keys, metric).items():
+            try:
+                groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = mean_ci(
+                    [v for _, _, v in members], confidence)
+            except ValueError as err:
+                raise ValueError(f"group {dict(zip(keys, key))}, {metric}: {err}") from None
+    return list(groups.values())
+
+
+def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separate", metric: str = "auroc",
+                       keys: Sequence[str] = GROUP_KEYS, confidence: float = 0.95) -> list[dict]:
+    """Paired differences ``a - b`` of two strategies per group of ``keys``, matched by seed.
+
+    Returns:
+        per group where both strategies ran: the keys, ``metric``, ``a``, ``b``, ``seeds`` and ``diffs``
+        (by seed), the :func:`mean_ci` of the differences and ``p_value`` of the paired t-test (NaN when
+        every difference is equal).
+
+    Raises:
+        ValueError: a missing field, a seed twice or for one strategy only (named), fewer than 2 pairs.
+    """
+    out = []
+    for key, members in _groups([r for r in rows if r.get("strategy") in (a, b)], keys, metric).items():
+        by = {a: {}, b: {}}
+        for strategy, seed, value in members:
+            if seed in by[strategy]:
+                raise ValueError(f"seed {seed} appears twice for strategy {strategy!r} in group {dict(zip(keys, key))}.")
+            by[strategy][seed] = value
+        if not by[a] or not by[b]:
+            continue  # only one of the two ran in this group: nothing to pair
+        if set(by[a]) != set(by[b]):
+            raise ValueError(f"unmatched seeds in group {dict(zip(keys, key))}: {sorted(set(by[a]) ^ set(by[b]))} only "
+                             "for one strategy; pairs need the same seeds for both.")
+        seeds = sorted(by[a])
+        xa, xb = np.array([by[a][s] for s in seeds]), np.array([by[b][s] for s in seeds])
+        try:
+            ci = mean_ci(xa - xb, confidence)
+        except ValueError as err:
+            raise ValueError(f"group {dict(zip(keys, key))}: {err}") from None
+        p = float("nan") if np.all(xa - xb == (xa - xb)[0]) else float(stats.ttest_rel(xa, xb).pvalue)
+        out.append({**dict(zip(keys, key)), "metric": metric, "a": a, "b": b, "seeds": seeds,
+                    "diffs": (xa - xb).tolist(), **ci, "p_value": p})
+    return out
