@@ -63,13 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     # each field's help: its comment in MCDConfig's source
     comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", inspect.getsource(MCDConfig), re.M))
     for f, hint in typing.get_type_hints(MCDConfig).items():
-        text = comments.get(f, f.replace("_", " ")).replace("%", "%%") + " (default: the preset's)"
+        text = (f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")).replace("%", "%%") + " (default: the preset's)"
         if hint is bool:
             rep.add_argument(f"--{f.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None, dest=f, help=text)
         else:
             kind = _csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint
             rep.add_argument(f"--{f.replace('_', '-')}", type=kind, default=None, dest=f, help=text)
     return parser
+
+
+def config_from_args(args: argparse.Namespace) -> MCDConfig:
+    """The preset ``args.preset`` with every flag given applied (KeyError: an unknown preset; ConfigError: a bad value)."""
+    return get_preset(args.preset, **{f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
+                                      if getattr(args, f.name) is not None})
 
 
 def _report(err: BaseException, tag: str = "") -> int:
@@ -114,11 +120,9 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if args.out is None:
                 raise ConfigError("out", "--out DIR is required (the folder for results.json, results.md and plots).")
-            cfg = get_preset(args.preset, **{f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
-                                             if getattr(args, f.name) is not None})
             from .run import run_reproduction
 
-            run_reproduction(cfg, args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
+            run_reproduction(config_from_args(args), args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
                              resume=args.resume, fresh=args.fresh)
             shown = args.out / "results.md"
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one message and one exit code per error class)

@@ -125,11 +125,11 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
     splits = tuple(p.class_splits if class_splits is None else class_splits)
     classes = [class_split(s) for s in splits]  # ConfigError for unknown or malformed splits
     if not splits or len(set(classes)) < len(classes):
-        raise ConfigError("class_split", f"class splits {list(splits)}: name at least one, each split once (also "
+        raise ConfigError("class_splits", f"class splits {list(splits)}: name at least one, each split once (also "
                                          "under two names it would count twice in the statistics).")
     chosen = subset("strategies", strategies, p.strategies, STRATEGIES)
-    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocol", protocols, p.protocols, PROTOCOLS),
-                               strategies=chosen, selections=subset("selection", selections, p.selections, SELECTIONS),
+    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, p.protocols, PROTOCOLS),
+                               strategies=chosen, selections=subset("selections", selections, p.selections, SELECTIONS),
                                reference=tuple(s for s in p.reference if strategies is None or s in chosen),
                                far_strategies=tuple(s for s in p.far_strategies if strategies is None or s in chosen))
 

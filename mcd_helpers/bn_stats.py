@@ -54,7 +54,7 @@ def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: s
 
 def _count(n, name: str, low: int) -> None:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < low:
-        raise ValueError(f"{name} must be an integer count of values per channel >= {low}, got {n!r}.")
+        raise ValueError(f"{name} must be an integer >= {low}, got {n!r}.")
 
 
 def batch_stats(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -117,10 +117,14 @@ class MCDConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
                 raise ConfigError(name, f"{name} must be a finite number >= {low}, got {value!r}.")
         checks = [
-            ("pretrain_lr", math.isfinite(self.pretrain_lr) and self.pretrain_lr > 0, "pretrain_lr must be a number > 0"),
-            ("finetune_lr", math.isfinite(self.finetune_lr) and self.finetune_lr > 0, "finetune_lr must be a number > 0"),
-            ("seed", self.seed < 2**32 and self.split_seed < 2**32, "seed and split_seed must be below 2**32"),
-            ("pretrain_momentum", max(self.pretrain_momentum, self.finetune_momentum) < 1, "momentum must be below 1"),
+            ("pretrain_lr", isinstance(self.pretrain_lr, (int, float)) and math.isfinite(self.pretrain_lr)
+             and self.pretrain_lr > 0, "pretrain_lr must be a number > 0"),
+            ("finetune_lr", isinstance(self.finetune_lr, (int, float)) and math.isfinite(self.finetune_lr)
+             and self.finetune_lr > 0, "finetune_lr must be a number > 0"),
+            ("seed", self.seed < 2**32, "seed must be below 2**32"),
+            ("split_seed", self.split_seed < 2**32, "split_seed must be below 2**32"),
+            ("pretrain_momentum", self.pretrain_momentum < 1, "pretrain_momentum must be below 1"),
+            ("finetune_momentum", self.finetune_momentum < 1, "finetune_momentum must be below 1"),
             ("margin", self.margin <= 3.4e38, f"margin must be at most 3.4e38 nats (float32's largest number; the loss "
                                               f"would be inf), got {self.margin}; the official margin is 1.2"),
             ("strategies", self.strategies and set(self.strategies) <= set(STRATEGIES),
@@ -136,8 +140,9 @@ class MCDConfig:
             ("class_split", not self.class_split or self.id_dataset == "fashion_mnist", "class_split needs fashion_mnist"),
             ("protocol", self.protocol == "transductive" or self.class_split,
              f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
-            ("odin_temperatures", self.odin_temperatures and self.odin_epsilons and min(self.odin_temperatures) > 0
-             and min(self.odin_epsilons) >= 0, "ODIN's grid needs temperatures > 0 and epsilons >= 0"),
+            ("odin_temperatures", self.odin_temperatures and min(self.odin_temperatures) > 0,
+             "ODIN's grid needs temperatures > 0"),
+            ("odin_epsilons", self.odin_epsilons and min(self.odin_epsilons) >= 0, "ODIN's grid needs epsilons >= 0"),
             ("ood_size", self.ood_size * (784 if self.id_dataset == "fashion_mnist" else 3072) * 12 < _memory() / 2,
              f"ood_size={self.ood_size:,} generated images need more than half of this machine's memory"),
         ]

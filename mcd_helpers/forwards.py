@@ -47,7 +47,8 @@ def split_rows(output, sizes: Sequence[int]) -> list:
             raise ValueError(f"the model's output {tuple(output.shape)} cannot be split by rows into batches of "
                              f"{tuple(sizes)}: its first axis must be the total batch size {sum(sizes)} (one row "
                              "per input sample).")
-        return list(torch.split(output, list(sizes)))
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return [output[end - n:end] for n, end in zip(sizes, ends)]  # slices (SliceBackward0 in the graph)
     if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
         parts = [split_rows(t, sizes) for t in output]
         return [tuple(p[i] for p in parts) for i in range(len(sizes))]

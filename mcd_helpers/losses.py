@@ -90,11 +90,11 @@ def step_b_objective(outputs, y_sup: torch.Tensor, margin: float = 1.2) -> tuple
     Raises:
         TypeError: ``outputs`` is not two pairs of logits; the losses' errors otherwise.
     """
-    try:
-        (logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup) = outputs
-    except (TypeError, ValueError) as err:
-        raise TypeError("Step B needs the model to return (logits1, logits2) for each of the two batches; unpacking "
-                        f"its outputs failed: {err}") from err
+    if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2
+            and all(isinstance(o, (tuple, list)) and len(o) == 2 for o in outputs)):
+        raise TypeError("Step B needs the model to return (logits1, logits2), the outputs of F1 and F2, for each of the "
+                        f"two batches; got {outputs!r:.80}. Use a two-head model (TwoHeadNet).")
+    (logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup) = outputs
     ce = supervised_loss(logits1_sup, logits2_sup, y_sup)
     dis = discrepancy_loss(logits1_unsup, logits2_unsup, margin)
     with torch.no_grad():

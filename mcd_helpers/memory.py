@@ -109,7 +109,11 @@ def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> f
         loss = step_b_loss(m, x_sup, y_sup, x_unsup, schedule, margin)[0]
         loss.backward()
         return loss.item()
-    parts = (lambda: supervised_loss(*m(x_sup), y_sup), lambda: discrepancy_loss(*m(x_unsup), margin))
+    def heads(out):
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"the model must return (logits1, logits2), the outputs of F1 and F2; got {type(out).__name__}.")
+        return out
+    parts = (lambda: supervised_loss(*heads(m(x_sup)), y_sup), lambda: discrepancy_loss(*heads(m(x_unsup)), margin))
     if schedule == "per_part":  # the labeled graph is freed before the unlabeled forward
         return sum(_backward(part()) for part in parts)
     losses = [part() for part in parts]  # per_part_late: both graphs built, then freed one by one

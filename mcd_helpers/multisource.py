@@ -30,8 +30,8 @@ SOURCE_NORMS = ("batch", "group", "layer", "frozen", "no_running_stats", "per_so
 
 def interleave(x: torch.Tensor, size: int) -> torch.Tensor:
     """FixMatch's interleave (kekmodel/FixMatch-pytorch ``train.py``): row ``j * size + i`` goes to
-    position ``i * (N / size) + j``; for ``x = cat`` of ``size`` equal parts each contiguous chunk
-    of the result holds an equal share of every part.
+    position ``i * (N / size) + j``; for ``x = cat`` of ``size`` equal parts whose length ``size``
+    divides, each contiguous chunk of the result holds an equal share of every part.
 
     Shapes: ``(N, ...)`` with ``N`` divisible by ``size`` -> ``(N, ...)``. Raises ``ValueError`` otherwise.
     """

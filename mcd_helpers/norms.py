@@ -82,6 +82,8 @@ def per_source_batchnorm(model: nn.Module, num_sources: int = 2) -> nn.Module:
     Raises:
         ValueError: if the model has no BatchNorm layer.
     """
+    if isinstance(model, _BN):  # a bare BatchNorm layer
+        return PerSourceBatchNorm.from_batchnorm(model, num_sources)
     model, found = copy.deepcopy(model), False
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -11,6 +11,15 @@ import numpy as np
 import torch
 
 from .metrics import as_scores, ood_metrics, roc_points
+from .splits import PROTOCOLS
+
+NAMES = {"auroc": "AUROC", "fpr95": "FPR95", "id_accuracy": "ID acc.", "detection_error": "det. error",
+         "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}  # the metrics' names in tables and figures
+
+
+def protocol_order(protocols) -> list[str]:
+    """The distinct protocols in :data:`~mcd_helpers.splits.PROTOCOLS` order (others after, alphabetically)."""
+    return sorted(set(protocols), key=lambda p: (PROTOCOLS.index(p) if p in PROTOCOLS else len(PROTOCOLS), p))
 
 
 def plot_score_histograms(panels: Mapping[str, tuple], title: str = "", bins: int = 50):
@@ -86,7 +95,7 @@ def plot_extremes(x_id: torch.Tensor, x_ood: torch.Tensor, s_id, s_ood, mean, st
     for row, (idx, label) in enumerate(((order[:k], "most OOD"), (order.flip(0)[:k], "least OOD"))):
         for ax, i in zip(axes[row], idx.tolist()):
             img = (x[i] * sd + m).clamp(0, 1)  # (C, H, W) in [0, 1]
-            ax.imshow(img[0] if img.shape[0] == 1 else img.permute(1, 2, 0), cmap="gray", vmin=0, vmax=1)
+            ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1)
             ax.set_title(f"{'OOD' if is_ood[i] else 'ID'} {s[i]:.2f}", fontsize=12, fontweight="bold",
                          color="C3" if is_ood[i] else "C2")
             ax.set_xticks([]), ax.set_yticks([])
@@ -110,8 +119,6 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     Raises:
         ValueError: no entry for ``metric`` (the available ones named).
     """
-    from .report import NAMES
-
     entries = [d for d in paired if d["metric"] == metric]
     if not entries:
         raise ValueError(f"no paired differences for metric {metric!r}; available: {sorted({d['metric'] for d in paired})}.")
@@ -135,8 +142,6 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
 def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):
     """``metric`` (%) by protocol, mean and 95% CI: a panel per (task, class split, selection), a series per
     method and strategy. Raises ``ValueError`` when no entry holds ``metric`` and a protocol."""
-    from .report import NAMES, protocol_order
-
     entries = [g for g in summary if isinstance(g.get(metric), dict) and "protocol" in g]
     if not entries:
         raise ValueError(f"no summary entry holds metric {metric!r} and a protocol; pass summarize(...) output.")

@@ -16,14 +16,12 @@ from typing import Sequence
 
 from .files import atomic_write
 from .metrics import METRIC_KEYS
-from .splits import PROTOCOLS
+from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
 from .stats import GROUP_KEYS, paired_differences, summarize
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a benchmark group: task, split, protocol, selection, method, OOD, network
 COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"))
 METRICS = ("auroc", "fpr95", "id_accuracy")
-NAMES = {"auroc": "AUROC", "fpr95": "FPR95", "id_accuracy": "ID acc.", "detection_error": "det. error",
-         "aupr_in": "AUPR-In", "aupr_out": "AUPR-Out"}
 ALL_SPLITS = "all"  # class_split of the pairs pooled over every class split (a pair = one split and seed)
 
 
@@ -132,11 +130,6 @@ def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
     return summarize([r for r in rows if r["task"] == task], METRICS, tuple(k for k in KEYS + ("strategy",) if k != "class_split"))
 
 
-def protocol_order(protocols) -> list[str]:
-    """The distinct protocols in :data:`~mcd_helpers.splits.PROTOCOLS` order (others after, alphabetically)."""
-    return sorted(set(protocols), key=lambda p: (PROTOCOLS.index(p) if p in PROTOCOLS else len(PROTOCOLS), p))
-
-
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
     """A line per method (and strategy, network), a column per protocol: ``metric`` in %, mean ± CI."""
     entries = [g for g in summary if g["selection"] == selection]
@@ -196,8 +189,6 @@ def forest_entries(paired: Sequence[dict]) -> list[dict]:
 def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", seconds: float | None = None) -> None:
     """``summary.md`` and, with near-OOD rows, ``forest.png`` and ``by_protocol.png`` (the first selection) in ``folder``."""
     import matplotlib.pyplot as plt
-
-    from .plots import forest_plot, plot_by_protocol
 
     def png(fig) -> bytes:
         buf = io.BytesIO()

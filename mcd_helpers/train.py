@@ -226,6 +226,9 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
 
     def save(epoch: int, step: int) -> None:  # rank 0 writes; the pending losses are read back first
         read_back()
+        # the ranks' mean statistics, so that a resumed run starts every rank where this one's mean stands: the
+        # moving average is linear, so the final averaged statistics change by rounding only
+        ddp.average_buffers(net)
         state.update(epoch=epoch, step=step, history=dataclasses.asdict(hist))
         if checkpoint is not None and ddp.is_main():
             save_state(checkpoint, {**state, "model": net.state_dict(), "optimizer": opt.state_dict(),
@@ -267,7 +270,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
                 if signum:
                     raise TrainingInterrupted(f"{signal.Signals(signum).name} in {desc} step {step + 1}/{steps}; saved in "
                                               f"{checkpoint}.", signum)
-            # ---- epoch end: lr decay, the ranks' mean BatchNorm statistics, validation AUROC, checkpoint ----
+            # ---- epoch end: losses checked, lr decay, the ranks' mean BatchNorm statistics, validation AUROC ----
             read_back()
             sched.step()
             ddp.average_buffers(net)

@@ -1,0 +1,174 @@
+"""The benchmark (mcd_helpers/benchmark.py): its settings are checked before any work; the toy preset runs the
+whole grid end to end on 2 seeds (once for the module, in a cache and an output folder of its own); every
+row's metrics are recomputed from its ``scores/*.npz``; finished cells are reused; resuming cells written
+with other settings is refused.
+"""
+import dataclasses
+import json
+import shutil
+from itertools import product
+
+import numpy as np
+import pytest
+from sklearn.metrics import roc_auc_score
+
+from mcd_helpers import benchmark as bm
+from mcd_helpers import pipeline
+from mcd_helpers.benchmark import BENCHMARK_PRESETS, Cell, cells_of, check_benchmark, run_benchmark
+from mcd_helpers.data import DEBIAN_FMNIST_DIR
+from mcd_helpers.errors import ConfigError
+from mcd_helpers.metrics import METRIC_KEYS
+from test_pipeline import brute_metrics
+
+QUICK, TINY, SEEDS = "near-ood-quick", "near-ood-tiny", 2
+needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
+
+
+@pytest.mark.parametrize("kwargs, field, match", [
+    (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid presets: near-ood-quick, near-ood, "
+                                     r"near-ood-tiny\."),
+    (dict(seeds=1), "seeds", r"seeds must be an integer from 2 \(a confidence interval needs two\) to 5 \(preset "
+                             r"'near-ood-quick''s most\), got 1\."),
+    (dict(seeds=6), "seeds", r"to 5 \(preset 'near-ood-quick''s most\), got 6\."),
+    (dict(seeds=True), "seeds", r"got True\."),
+    (dict(seeds=2.0), "seeds", r"got 2\.0\."),
+    (dict(protocols=["transductive", "closed"]), "protocols",
+     r"protocols \['transductive', 'closed'\]: give each value once, from transductive, disjoint, unseen-ood\."),
+    (dict(protocols=[]), "protocols", r"protocols \[\]: give each value once, from transductive, disjoint, unseen-ood"),
+    (dict(protocols=["disjoint", "disjoint"]), "protocols", r"protocols \['disjoint', 'disjoint'\]: give each value once"),
+    (dict(strategies=["separate", "mixup"]), "strategies",
+     r"strategies \['separate', 'mixup'\]: give each value once, from separate, concat, split-bn, recalibrate\."),
+    (dict(strategies=["concat", "concat"]), "strategies", r"give each value once"),
+    (dict(selections=["oracle"]), "selections", r"selections \['oracle'\]: give each value once, from ood-labels, last-epoch\."),
+    (dict(class_splits=["z"]), "class_split", r"unknown class split 'z'; give a known name or the ID and OOD class digits"),
+    (dict(class_splits=["a", "012345/6789"]), "class_splits",
+     r"class splits \['a', '012345/6789'\]: name at least one, each split once \(also under two names"),
+    (dict(class_splits=[]), "class_splits", r"class splits \[\]: name at least one"),
+])
+def test_bad_settings_are_refused_with_the_valid_values(kwargs, field, match):
+    with pytest.raises(ConfigError, match=match) as err:
+        check_benchmark(**{"preset": QUICK, **kwargs})
+    assert err.value.field == field
+
+
+def test_narrowing_keeps_the_order_asked_and_the_reference_of_the_strategies_chosen():
+    p = check_benchmark("near-ood", seeds=2, class_splits=["b", "012345/6789"], strategies=["concat", "separate"])
+    assert (p.seeds, p.class_splits, p.strategies) == (2, ("b", "012345/6789"), ("concat", "separate"))
+    assert p.reference == ("separate", "concat") and p.far_strategies == ("separate", "concat")
+    assert p.protocols == BENCHMARK_PRESETS["near-ood"].protocols and p.selections == ("ood-labels", "last-epoch")
+    only = check_benchmark("near-ood", strategies=["split-bn"])
+    assert (only.seeds, only.reference, only.far_strategies) == (5, (), ())  # no GroupNorm network, no far rows' arms
+
+
+def test_cells_run_seed_by_seed_split_by_split_with_the_far_rows_after_the_first_splits_protocols():
+    p = check_benchmark("near-ood", seeds=2)
+    want = []
+    for seed in (0, 1):
+        for split in ("a", "b", "c"):
+            want += [Cell(seed, split, "near-ood", "heldout", pr) for pr in ("transductive", "disjoint", "unseen-ood")]
+            if split == "a":
+                want += [Cell(seed, "a", "far-ood", o, "transductive") for o in ("digits", "photo_crops", "gaussian")]
+    cells = cells_of(p)
+    assert cells == want and len({c.name for c in cells}) == len(cells)
+    assert all(c.task == "near-ood" for c in cells_of(check_benchmark("near-ood", protocols=["disjoint", "unseen-ood"])))
+    assert Cell(3, "012345/6789", "near-ood", "heldout", "unseen-ood").name == "near-ood_012345-6789_heldout_unseen-ood_seed3"
+
+
+def test_far_sets_that_are_not_offline_are_refused_before_anything_is_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(BENCHMARK_PRESETS, "x", dataclasses.replace(BENCHMARK_PRESETS[TINY], far_ood_sets=("mnist",)))
+    with pytest.raises(ConfigError, match=r"far OOD sets \['mnist'\] are not available offline; valid: digits, "
+                                          r"photo_crops, gaussian, uniform\.") as err:
+        run_benchmark("x", tmp_path / "out", progress=False, quiet=True)
+    assert err.value.field == "far_ood_sets" and not (tmp_path / "out").exists()
+
+
+@needs_fmnist
+def test_every_split_is_checked_before_any_training(tmp_path, tmp_data_dir, monkeypatch):
+    p = BENCHMARK_PRESETS[TINY]
+    monkeypatch.setitem(BENCHMARK_PRESETS, "x", dataclasses.replace(p, config=dataclasses.replace(
+        p.config, batch_size_unsup=5000)))
+    monkeypatch.setattr(pipeline, "train", lambda *a, **k: pytest.fail("trained before every split was checked"))
+    with pytest.raises(ConfigError, match=r"batch_size_unsup=5000 is larger than the \d+ unlabeled images of") as err:
+        run_benchmark("x", tmp_path / "out", seeds=2, progress=False, quiet=True)
+    assert err.value.field == "batch_size_unsup"
+
+
+# ---- the toy-size grid end to end ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """near-ood-tiny on 2 seeds into its own output folder and cache, computed once for the module."""
+    root = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MCD_DATA_DIR", str(root / "cache"))
+        rows = run_benchmark(TINY, root / "out", seeds=SEEDS, progress=False, quiet=True)
+    return root / "out", rows
+
+
+def _key(r) -> tuple:
+    return r["task"], r["ood_dataset"], r["protocol"], r["selection"], r["method"], r["strategy"], r["norm"], r["seed"]
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_every_protocol_selection_method_and_strategy_has_one_row_and_the_outputs_are_written(tiny):
+    out, rows = tiny
+    p = BENCHMARK_PRESETS[TINY]
+    base = [(m, None, "batch") for m in ("msp", "odin", "energy")]
+    near = base + [("mcd", s, "batch") for s in p.strategies] + [("mcd", s, "group") for s in p.reference]
+    far = base + [("mcd", s, "batch") for s in p.far_strategies]
+    want = {("near-ood", "heldout", pr, sel, *k, seed) for pr, sel, k, seed in product(
+        ("transductive", "disjoint", "unseen-ood"), ("ood-labels", "last-epoch"), near, range(SEEDS))}
+    want |= {("far-ood", "gaussian", "transductive", sel, *k, seed) for sel, k, seed in product(
+        ("ood-labels", "last-epoch"), far, range(SEEDS))}
+    got = [_key(r) for r in rows]
+    assert len(got) == len(set(got)) == 2 * (3 * 2 * 8 + 2 * 5) and set(got) == want
+    assert json.loads((out / "results.json").read_text()) == rows
+    config = json.loads((out / "config.json").read_text())
+    assert config["preset"] == TINY and config["seeds"] == SEEDS and config["config"]["train_subset"] == 3000
+    run = json.loads((out / "run.json").read_text())
+    assert run["status"] == "finished" and (run["rows"], run["cells"]) == (len(rows), SEEDS * 4)
+    summary = (out / "summary.md").read_text()
+    assert summary.startswith(f"# Benchmark {TINY}: the whole grid at toy size") and f"{len(rows)} rows, seeds [0, 1]" in summary
+    for name in ("forest.png", "by_protocol.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_the_metrics_recomputed_from_the_written_scores_equal_the_reported_ones(tiny):
+    out, rows = tiny
+    for r in rows:
+        with np.load(out / r["scores"]) as z:
+            s_id, s_ood = z["id"], z["ood"]
+        assert (len(s_id), len(s_ood)) == (r["n_id"], r["n_ood"])
+        want = brute_metrics(s_id, s_ood)
+        assert want["auroc"] == pytest.approx(roc_auc_score(np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))],
+                                                            np.r_[s_id, s_ood]), abs=1e-12)
+        for k in METRIC_KEYS:
+            assert r[k] == pytest.approx(want[k], abs=1e-12), (r["scores"], k)
+    assert len({r["scores"] for r in rows}) == len(rows)  # a file per row
+    assert len({r["auroc"] for r in rows}) > len(rows) // 3  # not vacuous: the methods' scores differ
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_a_second_run_into_the_folder_reuses_the_finished_cells(tiny, monkeypatch):
+    out, rows = tiny
+    monkeypatch.setattr(pipeline, "train", lambda *a, **k: pytest.fail("trained instead of reusing a finished cell"))
+    monkeypatch.setattr(bm, "run_ood_set", lambda *a, **k: pytest.fail("evaluated instead of reusing a finished cell"))
+    assert run_benchmark(TINY, out, seeds=SEEDS, progress=False, quiet=True) == rows
+    assert json.loads((out / "run.json").read_text())["status"] == "finished"
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_resuming_cells_written_with_other_settings_is_refused(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    shutil.copytree(tiny[0], out)
+    monkeypatch.setattr(pipeline, "train", lambda *a, **k: pytest.fail("trained before the cells were checked"))
+    with pytest.raises(ConfigError, match=r"near-ood_a_heldout_transductive_seed0\.json was written with other settings "
+                                          r"than this run's .* Resume with the interrupted run's settings, or pass "
+                                          r"--fresh\.") as err:
+        run_benchmark(TINY, out, seeds=SEEDS, strategies=["separate", "concat"], progress=False, quiet=True, resume=True)
+    assert err.value.field == "resume"

@@ -1,0 +1,93 @@
+"""The command line: a flag per config field, the preset's values unless a flag is given, one message and
+one exit code per error, every setting that cannot work refused before any data is loaded."""
+import dataclasses
+
+import pytest
+import torch
+
+from mcd_helpers.__main__ import build_parser, config_from_args, main
+from mcd_helpers.config import PRESETS, MCDConfig
+
+
+def cfg_of(*flags: str) -> MCDConfig:
+    return config_from_args(build_parser().parse_args(["reproduce", "--out", "x", *flags]))
+
+
+@pytest.fixture
+def no_data(monkeypatch):
+    """Any attempt to load data fails the test: what is checked must be checked before."""
+    monkeypatch.setattr("mcd_helpers.pipeline.load_id", lambda *a, **k: pytest.fail("data loaded before the check"))
+
+
+def test_every_config_field_has_a_flag_whose_help_is_its_comment():
+    rep = build_parser()._subparsers._group_actions[0].choices["reproduce"]
+    actions = {a.dest: a for a in rep._actions}
+    assert {f.name for f in dataclasses.fields(MCDConfig)} <= set(actions)
+    assert "nats, official default" in actions["margin"].help  # the field's comment in MCDConfig's source
+    assert actions["compile"].help.startswith("compile: torch.compile")
+
+
+def test_flags_override_the_preset_parse_their_types_and_switch():
+    cfg = cfg_of("--checkpoint-every", "7", "--ood-sets", "digits, gaussian", "--finetune-lr", "0.01",
+                 "--pretrain-milestones", "1,2", "--channels-last", "--odin-epsilons", "0,0.5")
+    assert (cfg.checkpoint_every, cfg.ood_sets, cfg.finetune_lr) == (7, ("digits", "gaussian"), 0.01)
+    assert (cfg.pretrain_milestones, cfg.channels_last, cfg.odin_epsilons) == ((1, 2), True, (0.0, 0.5))
+    assert cfg.steps_per_epoch == PRESETS["quick"].steps_per_epoch == 150  # untouched: the preset's value
+    assert cfg_of("--compile", "--no-compile").compile is False  # the last switch wins
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--amp", "fp16"], "--amp: amp must be one of none, bf16, got 'fp16'"),
+    (["--checkpoint-every", "-1"], "--checkpoint-every: checkpoint_every must be a finite number >= 0"),
+    (["--margin", "inf"], "--margin: margin must be a finite number >= 0.0"),
+    (["--finetune-lr", "-0.1"], "--finetune-lr: finetune_lr must be a number > 0"),
+    (["--model", "densenet_bc_100", "--norm", "group"], "--norm: norm='group' applies to small_cnn only"),
+    (["--strategies", "split-bn", "--norm", "none"], "--strategies: strategies split-bn and recalibrate"),
+    (["--sync-bn"], "--sync-bn: --sync-bn needs GPUs"),
+    (["--ood-sets", "digits, foo"], "--ood-sets: unknown OOD set(s) ['foo'] for fashion_mnist"),
+    (["--protocol", "disjoint"], "--protocol: protocol 'disjoint' needs a class_split"),
+    (["--class-split", "a", "--protocol", "disjoint", "--ood-sets", "digits"], "--ood-sets: protocol 'disjoint' applies to"),
+    (["--preset", "nope"], "unknown preset 'nope'; known presets: quick"),
+    (["--resume", "--fresh"], "--fresh: --resume continues the work in --out and --fresh deletes it"),
+])
+def test_settings_that_cannot_work_exit_2_before_any_work(flags, message, capsys, tmp_path, no_data):
+    out = tmp_path / "out"
+    assert main(["reproduce", "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()  # refused before anything was written
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused_before_loading_data(capsys, tmp_path, no_data):
+    assert main(["reproduce", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
+    assert "--device: device='cuda', but PyTorch sees no such device here; run with --device cpu" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["reproduce", "benchmark"])
+def test_out_is_required_and_presets_are_listed(command, capsys):
+    assert main([command]) == 2
+    assert "--out DIR is required" in capsys.readouterr().err
+    assert main([command, "--list-presets"]) == 0
+    listed = capsys.readouterr().out
+    assert ("quick: " in listed and "paper-cifar10-wrn: " in listed) if command == "reproduce" else \
+        ("near-ood-quick: split a, every protocol" in listed and "seeds 5 (at most 5)" in listed)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seeds", "1"], "--seeds: seeds must be an integer from 2"),
+    (["--protocols", "transductive,nope"], "--protocols: protocols ['transductive', 'nope']: give each value once"),
+    (["--class-splits", "a,012345/6789"], "--class-splits: class splits ['a', '012345/6789']"),
+    (["--preset", "nope"], "--preset: unknown benchmark preset 'nope'"),
+])
+def test_the_benchmark_refuses_bad_grids_before_any_work(flags, message, capsys, tmp_path, no_data):
+    out = tmp_path / "out"
+    assert main(["benchmark", "--out", str(out), *flags]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
+    def broken(*args, **kwargs):
+        raise ZeroDivisionError("a bug, not a user's error")
+    monkeypatch.setattr("mcd_helpers.run.run_reproduction", broken)
+    with pytest.raises(ZeroDivisionError):
+        main(["reproduce", "--out", str(tmp_path / "o")])

@@ -1,0 +1,332 @@
+"""mcd_helpers.stats (intervals, paired differences) against hand computations and other scipy routines, and
+mcd_helpers.report's tables, whose numbers are recomputed here from the rows."""
+import math
+
+import matplotlib
+import numpy as np
+import pytest
+from scipy import stats as st
+
+from mcd_helpers.config import MCDConfig
+from mcd_helpers.report import (benchmark_tables, config_markdown, markdown_table, method_label, methods_markdown,
+                                pivot_markdown, pooled_summary, results_markdown, setting_differences, summary_text,
+                                write_report)
+from mcd_helpers.stats import mean_ci, paired_differences, summarize
+
+matplotlib.use("Agg")
+
+T975_DF4, T975_DF2, T95_DF4 = 2.7764451051977934, 4.302652729749462, 2.1318467863266495  # any t table
+
+
+def by_scipy(values, confidence=0.95):
+    """Mean and half-width from scipy's interval routine (the package uses the quantile function instead)."""
+    x = np.asarray(values, float)
+    low, high = st.t.interval(confidence, len(x) - 1, loc=x.mean(), scale=st.sem(x))
+    return x.mean(), (high - low) / 2
+
+
+def p_by_hand(diffs):
+    """Two-sided paired t-test: t = mean(d) / (s_d / sqrt(n)), p = 2 P(T_{n-1} > |t|)."""
+    d = np.asarray(diffs, float)
+    return 2 * st.t.sf(abs(d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))), len(d) - 1)
+
+
+def pct(values, signed=False):
+    m, h = by_scipy(values)
+    return f"{100 * m:{'+' if signed else ''}.2f} ± {100 * h:.2f}"
+
+
+# ---- mean_ci -------------------------------------------------------------------------------------
+
+def test_mean_ci_by_hand():
+    half = T975_DF4 * math.sqrt(2.5 / 5)  # 1..5: s^2 = (4 + 1 + 0 + 1 + 4) / 4
+    assert mean_ci([1, 2, 3, 4, 5]) == pytest.approx({"mean": 3.0, "low": 3 - half, "high": 3 + half,
+                                                      "half_width": half, "n": 5}, rel=1e-12)
+    assert mean_ci(np.array([5, 1, 4, 2, 3]), 0.90)["half_width"] == pytest.approx(T95_DF4 * math.sqrt(2.5 / 5), rel=1e-12)
+    assert mean_ci([0.7, 0.7, 0.7])["half_width"] == pytest.approx(0.0, abs=1e-15)
+
+
+@pytest.mark.parametrize("n, confidence", [(2, 0.95), (5, 0.99), (12, 0.8)])
+def test_mean_ci_against_scipys_interval(n, confidence):
+    x = np.random.RandomState(n).uniform(0.6, 0.99, n)
+    ci, (m, h) = mean_ci(x, confidence), by_scipy(x, confidence)
+    assert (ci["mean"], ci["half_width"], ci["low"], ci["high"]) == pytest.approx((m, h, m - h, m + h), rel=1e-10)
+
+
+@pytest.mark.parametrize("values, kw, match", [
+    ([0.5], {}, r"at least 2 values \(seeds\), got 1; run more seeds"), ([], {}, "got 0"),
+    ([0.5, 0.6, float("nan")], {}, r"values hold 1 NaN or inf value\(s\), first at index 2: a failed run upstream"),
+    ([float("inf"), 0.6, float("nan")], {}, r"2 NaN or inf value\(s\), first at index 0"),
+    ([0.5, 0.6], {"confidence": 95}, r"confidence must be a fraction in \(0, 1\), got 95 \(did you mean 0.95\?\)"),
+    ([0.5, 0.6], {"confidence": 1.0}, r"fraction in \(0, 1\), got 1.0.$"), ([0.5, 0.6], {"confidence": 0}, "got 0.$")])
+def test_mean_ci_errors(values, kw, match):
+    with pytest.raises(ValueError, match=match):
+        mean_ci(values, **kw)
+
+
+# ---- paired differences and summaries -------------------------------------------------------------
+
+def row(strategy, seed, auroc, method="mcd", protocol="disjoint", class_split="a", **kw):
+    return {"task": "near-ood", "class_split": class_split, "protocol": protocol, "selection": "last-epoch",
+            "method": method, "strategy": strategy, "seed": seed, "auroc": auroc, **kw}
+
+
+HAND = ([row("concat", s, v) for s, v in zip((2, 0, 1), (0.95, 0.90, 0.85))]
+        + [row("separate", s, v) for s, v in zip((1, 2, 0), (0.86, 0.91, 0.88))])  # diffs by seed: 0.02, -0.01, 0.04
+GROUP = "{'task': 'near-ood', 'class_split': 'a', 'protocol': 'disjoint', 'selection': 'last-epoch', 'method': 'mcd'}"
+
+
+def test_paired_differences_by_hand():
+    (d,) = paired_differences(HAND + [row("split-bn", 0, 0.5), row(None, 0, 0.6, method="msp")])  # others ignored
+    assert d["seeds"] == [0, 1, 2] and d["diffs"] == pytest.approx([0.02, -0.01, 0.04], abs=1e-12)
+    s = math.sqrt(((0.02 - 1 / 60) ** 2 + (-0.01 - 1 / 60) ** 2 + (0.04 - 1 / 60) ** 2) / 2)
+    half = T975_DF2 * s / math.sqrt(3)
+    assert (d["mean"], d["half_width"], d["low"], d["high"], d["n"]) == pytest.approx(
+        (1 / 60, half, 1 / 60 - half, 1 / 60 + half, 3), rel=1e-9)
+    assert d["p_value"] == pytest.approx(2 * st.t.sf((1 / 60) / (s / math.sqrt(3)), 2), rel=1e-9)
+    assert {k: d[k] for k in ("task", "class_split", "protocol", "selection", "method", "metric", "a", "b")} == {
+        "task": "near-ood", "class_split": "a", "protocol": "disjoint", "selection": "last-epoch", "method": "mcd",
+        "metric": "auroc", "a": "concat", "b": "separate"}
+
+
+def test_paired_differences_on_random_groups_agree_with_the_one_sample_test_and_the_interval():
+    rng, rows = np.random.RandomState(0), []
+    for protocol in ("unseen-ood", "transductive", "disjoint"):
+        for seed in range(6):
+            a, b = rng.uniform(0.6, 0.95, 2)
+            rows += [row("split-bn", seed, a, protocol=protocol, fpr95=1 - a),
+                     row("separate", seed, b, protocol=protocol, fpr95=1 - b)]
+    out = paired_differences(rows, "split-bn", "separate", "fpr95", keys=("protocol",))
+    assert [d["protocol"] for d in out] == ["unseen-ood", "transductive", "disjoint"]  # order of first appearance
+    for d in out:
+        xa, xb = ([r["fpr95"] for r in rows if r["protocol"] == d["protocol"] and r["strategy"] == s]
+                  for s in ("split-bn", "separate"))
+        diffs = np.subtract(xa, xb)
+        assert d["p_value"] == pytest.approx(st.ttest_1samp(diffs, 0.0).pvalue, rel=1e-10)
+        assert (d["mean"], d["half_width"]) == pytest.approx(by_scipy(diffs), rel=1e-10)
+        assert (d["p_value"] < 0.05) == (d["low"] > 0 or d["high"] < 0)
+
+
+def test_equal_differences_have_no_p_and_a_group_with_one_strategy_is_left_out():
+    rows = [row("concat", s, 0.9) for s in range(3)] + [row("separate", s, 0.8) for s in range(3)]
+    rows += [row("concat", s, 0.9, protocol="transductive") for s in range(3)]  # no separate here: nothing to pair
+    (d,) = paired_differences(rows)
+    assert d["protocol"] == "disjoint" and d["half_width"] == pytest.approx(0.0, abs=1e-12) and math.isnan(d["p_value"])
+
+
+@pytest.mark.parametrize("rows, match", [
+    (HAND + [row("concat", 3, 0.9)], rf"unmatched seeds in group {GROUP}: \[3\] only for one strategy; pairs need"),
+    (HAND[:3] + [row("separate", s, 0.9) for s in (7, 8, 9)], r"unmatched seeds .*: \[0, 1, 2, 7, 8, 9\]"),
+    (HAND + [row("separate", 0, 0.5)], rf"seed 0 appears twice for strategy 'separate' in group {GROUP}"),
+    ([row("concat", 0, 0.9), row("separate", 0, 0.8)], rf"group {GROUP}: a confidence interval needs at least 2"),
+    ([{**HAND[0], "auroc": None}] + HAND[1:], r"row 0 has no field\(s\) \['auroc'\]; its fields are \['auroc', 'class_split'"),
+    (HAND[:5] + [{"strategy": "concat", "seed": 9, "auroc": 0.9}], r"row 5 has no field\(s\) \['task', 'class_split', "
+                                                                    r"'protocol', 'selection', 'method'\]"),
+    (HAND[:3] + [row("separate", s, float("nan") if s == 1 else 0.8) for s in range(3)],
+     rf"group {GROUP}: values hold 1 NaN or inf value\(s\), first at index 1"),
+])
+def test_paired_differences_errors(rows, match):
+    with pytest.raises(ValueError, match=match):
+        paired_differences(rows)
+
+
+def test_summarize_groups_in_order_of_first_appearance():
+    rows = [dict(r, fpr95=0.5, id_accuracy=0.9 + 0.01 * r["seed"]) for r in HAND[3:] + HAND[:3]]
+    summary = summarize(rows)
+    assert [(g["strategy"], g["n"]) for g in summary] == [("separate", 3), ("concat", 3)]
+    concat = summary[1]
+    assert {k: concat[k] for k in ("task", "class_split", "protocol", "selection", "method")} == {
+        "task": "near-ood", "class_split": "a", "protocol": "disjoint", "selection": "last-epoch", "method": "mcd"}
+    assert (concat["auroc"]["mean"], concat["auroc"]["half_width"]) == pytest.approx((0.9, T975_DF2 * 0.05 / math.sqrt(3)))
+    assert concat["fpr95"]["half_width"] == 0.0 and concat["id_accuracy"]["mean"] == pytest.approx(0.91)
+    (pooled,) = summarize(rows, ("auroc",), keys=("task",))
+    assert pooled["n"] == 6 and pooled["auroc"]["mean"] == pytest.approx(np.mean([r["auroc"] for r in rows]))
+
+
+def test_summarize_errors():
+    with pytest.raises(ValueError, match=r"group \{.*'strategy': 'concat'\}, auroc: a confidence interval needs at least 2"):
+        summarize(HAND[:1] + HAND[3:], metrics=("auroc",))
+    with pytest.raises(ValueError, match=r"row 0 has no field\(s\) \['fpr95'\]"):
+        summarize(HAND)
+
+
+# ---- report: the small tables -----------------------------------------------------------------------
+
+def test_markdown_table():
+    assert markdown_table(["a", "b"], [[1, 2.5], ["x", None]], "lr") == \
+        "| a | b |\n| --- | ---: |\n| 1 | 2.5 |\n| x | None |"
+    assert markdown_table(["a"], []) == "| a |\n| --- |"
+
+
+@pytest.mark.parametrize("g, label", [({"method": "msp"}, "MSP (pre-trained)"), ({"method": "odin"}, "ODIN (pre-trained)"),
+                                      ({"method": "energy", "strategy": None}, "energy (pre-trained)"),
+                                      ({"method": "mcd", "strategy": "concat"}, "MCD concat"),
+                                      ({"method": "mcd", "strategy": "separate", "norm": "group"}, "MCD separate (GroupNorm)")])
+def test_method_label(g, label):
+    assert method_label(g) == label
+
+
+def metrics(fpr95, det, auroc, aupr_in, aupr_out, acc):
+    return dict(fpr95=fpr95, detection_error=det, auroc=auroc, aupr_in=aupr_in, aupr_out=aupr_out, id_accuracy=acc)
+
+
+def test_results_markdown():
+    rows = [{"id_dataset": "fashion_mnist", "class_split": "b", "ood_dataset": "heldout", "method": "mcd",
+             "strategy": "separate", **metrics(0.1234, 0.05, 0.98765, 0.9, 0.875, 0.91)},
+            {"id_dataset": "cifar10", "ood_dataset": "LSUN", "method": "msp", "strategy": None,
+             **metrics(0.5, 0.25, 0.8, 0.7, 0.6, 0.95)}]
+    text = results_markdown(rows)
+    assert text.splitlines()[:4] == [
+        "| ID | OOD | method | strategy | FPR95 | det. error | AUROC | AUPR-In | AUPR-Out | ID acc. |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| fashion_mnist b | heldout | mcd | separate | 12.34 | 5.00 | 98.77 | 90.00 | 87.50 | 91.00 |",
+        "| cifar10 | LSUN | msp | - | 50.00 | 25.00 | 80.00 | 70.00 | 60.00 | 95.00 |"]
+    assert "All numbers in %" in text and "Failed" not in text
+    failed = results_markdown(rows, {"mnist": "DataNotFoundError: MNIST was not found"})
+    assert failed.endswith("**Failed OOD sets** (no rows):\n\n- mnist: DataNotFoundError: MNIST was not found\n")
+
+
+def test_methods_markdown_marks_the_best():
+    def r(ood, method, auroc, fpr95, acc=0.9):
+        return {"ood_dataset": ood, "method": method, "auroc": auroc, "fpr95": fpr95, "id_accuracy": acc}
+    rows = [r("digits", "msp", 0.90, 0.30, 0.92), r("digits", "odin", 0.95, 0.20), r("digits", "energy", 0.95, 0.25),
+            r("digits", "mcd", 0.93, 0.05, 0.91), r("uniform", "mcd", 0.99, 0.01, 0.9), r("uniform", "msp", 0.5, 0.9, 0.8)]
+    lines = methods_markdown(rows).splitlines()
+    assert lines[0] == ("| OOD set | AUROC MSP | AUROC ODIN | AUROC energy | AUROC MCD | FPR95 MSP | FPR95 ODIN | "
+                        "FPR95 energy | FPR95 MCD | ID acc. pre-trained | ID acc. MCD |")
+    assert lines[2] == "| digits | 90.00 | **95.00** | **95.00** | 93.00 | 30.00 | 20.00 | 25.00 | **5.00** | 92.00 | 91.00 |"
+    assert lines[3] == "| uniform | 50.00 | – | – | **99.00** | 90.00 | – | – | **1.00** | 80.00 | 90.00 |"
+
+
+def test_config_markdown():
+    cfg = MCDConfig(train_subset=15_000, pretrain_epochs=4, pretrain_milestones=(3,), finetune_lr=0.003, margin=1.5,
+                    schedule="step_b", odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.002))
+    lines = config_markdown(cfg).splitlines()
+    assert lines[:2] == ["| setting | value |", "| --- | --- |"]
+    for line in ["| ID set, model | fashion_mnist, small_cnn (batch norm) |", "| training images (labeled) | 15,000 |",
+                 "| ID test images | all |", "| generated OOD images per set | 10,000 |",
+                 "| validation images, ID + OOD | 1000 + 1000 |",
+                 "| pre-training | 4 epochs, SGD lr 0.05, batch 128, lr × 0.1 at epochs [3] |",
+                 "| fine-tuning schedule | Step B only |",
+                 "| fine-tuning | 1 epoch(s) × one pass over the labeled set steps, SGD lr 0.003, weight decay 0.0001 |",
+                 "| batch, labeled + unlabeled | 128 + 128 |", "| margin m | 1.5 nats |",
+                 "| ODIN grid | T ∈ [1000.0], ε ∈ [0.0, 0.002] |", "| seed | 0 |"]:
+        assert line in lines
+    assert "| fine-tuning schedule | Step A then Step B |" in config_markdown(MCDConfig())
+
+
+# ---- report: the benchmark ---------------------------------------------------------------------------
+
+def bench_rows(far=True):
+    """Near-OOD: splits a, b x protocols (disjoint first) x seeds 0-2 x MCD concat/separate and MSP; far-OOD: split a,
+    OOD sets digits and uniform, MCD concat/separate. Metrics drawn at random."""
+    rng, rows = np.random.RandomState(1), []
+    near = [("near-ood", s, p, "heldout") for s in "ab" for p in ("disjoint", "transductive")]
+    for task, split, protocol, ood in near + ([("far-ood", "a", "transductive", o) for o in ("digits", "uniform")] if far else []):
+        for seed in range(3):
+            for method, strategy in [("mcd", "concat"), ("mcd", "separate"), ("msp", None)][:3 if task == "near-ood" else 2]:
+                a, f, acc = rng.uniform(0.6, 0.99), rng.uniform(0.05, 0.6), rng.uniform(0.85, 0.95)
+                rows.append({"task": task, "class_split": split, "protocol": protocol, "selection": "ood-labels",
+                             "method": method, "strategy": strategy, "seed": seed, "ood_dataset": ood, "norm": "batch",
+                             "auroc": a, "fpr95": f, "id_accuracy": acc})
+    return rows
+
+
+def values(rows, metric="auroc", **match):
+    return [r[metric] for r in rows if all(r[k] == v for k, v in match.items())]
+
+
+def diffs(rows, metric="auroc", a="concat", b="separate", field="strategy", **match):
+    xa, xb = values(rows, metric, **match, **{field: a}), values(rows, metric, **match, **{field: b})
+    return np.subtract(xa, xb)  # rows are in seed order
+
+
+def test_benchmark_tables_summary_pairs_and_pooled_pairs():
+    rows = bench_rows()
+    summary, paired = benchmark_tables(rows, "near-ood")
+    assert len(summary) == 2 * 2 * 3 and all(g["n"] == 3 and g["task"] == "near-ood" for g in summary)
+    for g in summary:
+        match = {k: g[k] for k in ("class_split", "protocol", "method", "strategy")}
+        assert g["fpr95"]["mean"] == pytest.approx(np.mean(values(rows, "fpr95", task="near-ood", **match)), rel=1e-12)
+    assert {(d["class_split"], d["metric"]) for d in paired} == {(s, m) for s in ("a", "b", "all")
+                                                                 for m in ("auroc", "fpr95", "id_accuracy")}
+    assert len(paired) == 3 * 2 * 3 and all((d["a"], d["b"], d["method"]) == ("concat", "separate", "mcd") for d in paired)
+    d = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("b", "transductive", "id_accuracy"))
+    assert d["diffs"] == pytest.approx(diffs(rows, "id_accuracy", task="near-ood", class_split="b", protocol="transductive"))
+    pooled = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("all", "disjoint", "auroc"))
+    want = np.r_[diffs(rows, class_split="a", protocol="disjoint"), diffs(rows, class_split="b", protocol="disjoint")]
+    assert pooled["seeds"] == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2"] and pooled["n"] == 6
+    assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
+    _, far_pairs = benchmark_tables(rows, "far-ood")  # one split: nothing pooled
+    assert {d["class_split"] for d in far_pairs} == {"a"} and len(far_pairs) == 2 * 3
+
+
+def test_setting_differences_pair_protocols_by_seed_and_split():
+    rows = bench_rows(far=False)
+    out = setting_differences(rows, "protocol", "disjoint", "transductive", "fpr95")
+    assert [(d["class_split"], d["method"], d["arm"]) for d in out] == [
+        (s, m, arm) for s in ("a", "b", "all") for m, arm in (("mcd", "concat"), ("mcd", "separate"), ("msp", "-"))]
+    d = next(d for d in out if (d["class_split"], d["arm"]) == ("b", "-"))
+    assert d["diffs"] == pytest.approx(diffs(rows, "fpr95", "disjoint", "transductive", "protocol", class_split="b",
+                                             method="msp"))
+    pooled = next(d for d in out if (d["class_split"], d["arm"]) == ("all", "concat"))
+    want = np.r_[[diffs(rows, "fpr95", "disjoint", "transductive", "protocol", class_split=s, strategy="concat")
+                  for s in "ab"]].ravel()
+    assert pooled["seeds"] == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2"] and pooled["metric"] == "fpr95"
+    assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
+    with pytest.raises(ValueError, match="field must be 'protocol' or 'selection', got 'norm'"):
+        setting_differences(rows, "norm", "batch", "group")
+
+
+def test_pooled_summary_and_pivot():
+    rows = [r for r in bench_rows(far=False) if not (r["method"] == "msp" and r["protocol"] == "disjoint")]
+    pooled = pooled_summary(rows)
+    assert len(pooled) == 5 and all("class_split" not in g for g in pooled)
+    for g in pooled:
+        v = values(rows, protocol=g["protocol"], method=g["method"], strategy=g["strategy"])
+        assert g["n"] == len(v) == 6 and g["auroc"]["mean"] == pytest.approx(np.mean(v), rel=1e-12)
+    lines = pivot_markdown(pooled).splitlines()
+    assert lines[0] == "| method | n | transductive: AUROC (%) | disjoint: AUROC (%) |"  # PROTOCOLS order
+    cells = {p: pct(values(rows, protocol=p, strategy="concat")) for p in ("transductive", "disjoint")}
+    assert f"| MCD concat | 6 | {cells['transductive']} | {cells['disjoint']} |" in lines
+    assert f"| MSP (pre-trained) | 6 | {pct(values(rows, protocol='transductive', method='msp'))} | - |" in lines
+    assert pivot_markdown(pooled, selection="last-epoch").splitlines()[2:] == []
+
+
+def test_summary_text_numbers_are_the_rows_means():
+    rows = bench_rows()
+    text = summary_text(rows, "My run", seconds=150)
+    lines = text.splitlines()
+    assert lines[0] == "# My run" and lines[2].startswith(f"{len(rows)} rows, seeds [0, 1, 2].")
+    assert "Wall time of this run: 2.5 min" in text
+    near, far = text.index("## Near-OOD: held-out classes"), text.index("## Far-OOD rows (transductive)")
+    assert near < far and "Class splits a, b; OOD: heldout." in text and "Class splits a; OOD: digits, uniform." in text
+    m = dict(task="near-ood", class_split="b", protocol="transductive", strategy="separate")
+    want = (f"| b | transductive | MCD separate | 3 | {pct(values(rows, 'auroc', **m))} | {pct(values(rows, 'fpr95', **m))} "
+            f"| {pct(values(rows, 'id_accuracy', **m))} |")
+    assert want in lines and lines.index(want) < lines.index("### Paired differences")
+    m = dict(task="far-ood", ood_dataset="uniform")
+    want = f"| uniform | transductive | MCD concat | 3 | {pct(values(rows, strategy='concat', **m))} |"
+    assert any(line.startswith(want) for line in lines[lines.index("## Far-OOD rows (transductive)"):])
+    d = {k: np.r_[[diffs(rows, k, task="near-ood", class_split=s, protocol="disjoint") for s in "ab"]].ravel()
+         for k in ("auroc", "fpr95", "id_accuracy")}
+    want = (f"| all | disjoint | ood-labels | BatchNorm | concat − separate | 6 | {pct(d['auroc'], True)} | "
+            f"{pct(d['fpr95'], True)} | {pct(d['id_accuracy'], True)} | {p_by_hand(d['auroc']):.2g} |")
+    assert want in lines
+
+
+def test_write_report(tmp_path):
+    import matplotlib.image
+
+    rows = bench_rows()
+    write_report(rows, tmp_path / "near", "Bench")
+    assert sorted(p.name for p in (tmp_path / "near").iterdir()) == ["by_protocol.png", "forest.png", "summary.md"]
+    text = (tmp_path / "near" / "summary.md").read_text()
+    m = dict(task="near-ood", class_split="a", protocol="disjoint", method="msp")
+    assert text.startswith("# Bench\n") and f"| a | disjoint | MSP (pre-trained) | 3 | {pct(values(rows, **m))} |" in text
+    # forest: the two pooled MCD AUROC differences, 9.0 x (1.4 + 0.35 * 2) inches at 100 dpi; by protocol: a panel
+    # per class split, 2 x 4.6 x 3.6 inches
+    assert matplotlib.image.imread(tmp_path / "near" / "forest.png").shape[:2] == (210, 900)
+    assert matplotlib.image.imread(tmp_path / "near" / "by_protocol.png").shape[:2] == (360, 920)
+    write_report([r for r in rows if r["task"] == "far-ood"], tmp_path / "far")
+    assert [p.name for p in (tmp_path / "far").iterdir()] == ["summary.md"]
