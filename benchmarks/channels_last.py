@@ -3,7 +3,7 @@
     python benchmarks/channels_last.py            # about a minute on 2 cores
     python benchmarks/channels_last.py --rounds 9
 
-Why: the benchmark presets (``mcd_helpers.experiments.benchmark``) set ``channels_last=True``, a
+Why: the benchmark presets (``mcd_helpers.benchmark``) set ``channels_last=True``, a
 fast-path option that the other presets leave off. This measures what it buys on the CPU, for
 evaluation (``predict_logits``'s forwards, batch 1,000, no gradients) and for one training step of
 CE on both heads (batch 128, SGD). Rounds alternate the two layouts, so drift cancels; the table

@@ -2,8 +2,8 @@
 
 The paper's network on the project's offline ID set: a short pre-training (so that the
 validation AUROC means something), then a few hundred fine-tuning iterations (official schedule:
-Step A + Step B) per Step B strategy, through the package's own ``train.pretrain`` and
-``train.finetune``. Times are wall-clock with ``torch.cuda.synchronize()`` around each timed
+Step A + Step B) per Step B strategy, through the package's own training loop,
+``mcd_helpers.train.train``. Times are wall-clock with ``torch.cuda.synchronize()`` around each timed
 part; the first ``--warmup`` iterations (cuDNN autotuning, allocator growth) are run and not timed.
 
 Prepare the data here and carry it to the GPU machine (no data sets there, no network)::
@@ -16,7 +16,7 @@ Smoke check on a CPU (seconds, numbers meaningless)::
 
     python benchmarks/cuda_check.py --device cpu --steps 2 --warmup 1 --batch 8 --n-train 64 --n-test 300 --n-val 100
 
-Without ``--data`` the images come from ``mcd_helpers.data.sets.load_fashion_mnist`` (Debian's
+Without ``--data`` the images come from ``mcd_helpers.data.load_fashion_mnist`` (Debian's
 ``dataset-fashion-mnist`` or ``$MCD_DATA_DIR``). OOD set: ODIN's Gaussian noise, padded the same way.
 """
 from __future__ import annotations
@@ -34,12 +34,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
-from mcd_helpers.data.sets import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood, transductive_split  # noqa: E402
+from mcd_helpers.config import MCDConfig  # noqa: E402
+from mcd_helpers.data import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood  # noqa: E402
+from mcd_helpers.splits import transductive_split  # noqa: E402
 from mcd_helpers.losses import discrepancy_score  # noqa: E402
 from mcd_helpers.metrics import ood_metrics  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.training.loop import finetune, predict_logits, pretrain, set_seed  # noqa: E402
+from mcd_helpers.train import predict_logits, set_seed, train  # noqa: E402
 
 
 def pad32(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
     x, y, xt, yt = load(args.data, args.n_train, args.n_test)
     x, xt = pad32(x), pad32(xt)  # (N, 1, 32, 32)
     ood = pad32(load_ood("gaussian", n=len(xt), seed=0))
-    split = transductive_split(xt, yt, ood, n_val=args.n_val)
+    split = transductive_split(x, y, xt, yt, ood, n_val=args.n_val)
     cfg = MCDConfig(model="densenet_bc_100", device=args.device, pretrain_epochs=args.pretrain_epochs,
                     pretrain_milestones=(), pretrain_lr=0.1, pretrain_batch_size=args.batch,
                     batch_size_sup=args.batch, batch_size_unsup=args.batch, finetune_epochs=1,
@@ -118,7 +119,7 @@ def main(argv=None) -> int:
     cfg = _set(cfg, args.set)
     info = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
             "torch": torch.__version__, "python": platform.python_version(), "batch": args.batch,
-            "steps": args.steps, "config": {k: v for k, v in cfg.to_dict().items() if k != "extra"}, "runs": []}
+            "steps": args.steps, "config": cfg.to_dict(), "runs": []}
     print(f"{info['device']} | torch {info['torch']} | densenet_bc_100 | Fashion-MNIST 32x32 | batch {args.batch} + {args.batch}")
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
     base = build_model("densenet_bc_100", 1, 10)
     _sync(device)
     t0 = time.perf_counter()
-    losses = pretrain(base, x, y, cfg, progress=False) if args.pretrain_epochs > 0 else []
+    losses = train(base, split, cfg, progress=False)["history"].ce if args.pretrain_epochs > 0 else []
     _sync(device)
     pre_s = time.perf_counter() - t0
     pre_steps = args.pretrain_epochs * (len(x) // args.batch)
@@ -140,7 +141,7 @@ def main(argv=None) -> int:
     for strategy in args.strategies.split(","):
         model = build_model("densenet_bc_100", 1, 10)
         model.load_state_dict(base.state_dict())
-        finetune(model, x, y, split, dataclasses.replace(cfg, steps_per_epoch=args.warmup), strategy, progress=False)
+        train(model, split, dataclasses.replace(cfg, steps_per_epoch=args.warmup), strategy, progress=False)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         # ---- one validation pass alone, to take it out of the fine-tuning time ----
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
         eval_s = time.perf_counter() - t0
         # ---- timed: --steps iterations of Step A + Step B, then the epoch's validation ----
         t0 = time.perf_counter()
-        hist = finetune(model, x, y, split, dataclasses.replace(cfg, steps_per_epoch=args.steps), strategy, progress=False)
+        hist = train(model, split, dataclasses.replace(cfg, steps_per_epoch=args.steps), strategy, progress=False)["history"]
         _sync(device)
         total = time.perf_counter() - t0
         train_s = max(total - eval_s, 1e-9)

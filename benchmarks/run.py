@@ -11,7 +11,7 @@ two loops run the same work, the official iteration (Step A, then Step B, SGD):
 
 * ``raw``: :func:`raw_loop`, the lines a user would write: ``DataLoader``s over the tensors, the
   losses written out, no checks, no logging.
-* ``mcd_helpers``: :func:`mcd_helpers.training.loop.finetune` for one epoch of ``steps`` iterations (with
+* ``mcd_helpers``: :func:`mcd_helpers.train.train` for one epoch of ``steps`` iterations (with
   its model selection on a 1+1-image validation split, and without checkpoints: their cost is
   measured on its own and given in the notes).
 
@@ -23,8 +23,9 @@ speeds, so load that drifts over the run cancels. Timing: CUDA events on GPU; on
 ``time.perf_counter`` (wall), or with ``--clock cpu`` the process's CPU time, which other jobs on
 a shared machine do not inflate (with one thread; more threads spin while they wait). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over a block minus the
 memory allocated before it; on CPU the peak of the tensor memory allocated during one iteration
-and alive at once, counted tensor by tensor (:class:`PeakTensorMemory`). (The resident set size
-is no measure here: memory that a step frees stays resident in the process.)
+peak of the bytes autograd saves for backward (the activations) during one iteration,
+by the notebooks' own meter, :class:`mcd_helpers.memory.SavedTensorMeter` (parameters and inputs
+not counted).
 """
 from __future__ import annotations
 
@@ -36,24 +37,21 @@ import statistics
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, TensorDataset
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mcd_helpers.training.checkpoint import RollingCheckpoint  # noqa: E402
-from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
-from mcd_helpers.data.sets import TransductiveSplit  # noqa: E402
+from mcd_helpers.config import MCDConfig  # noqa: E402
+from mcd_helpers.files import save_state  # noqa: E402
+from mcd_helpers.memory import SavedTensorMeter  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.training.engine import compile_model  # noqa: E402
-from mcd_helpers.training.loop import finetune  # noqa: E402
+from mcd_helpers.splits import Split  # noqa: E402
+from mcd_helpers.train import train  # noqa: E402
 
 SHAPES = {"small_cnn": (1, 28, 28), "densenet_bc_100": (3, 32, 32)}
 VARIANTS = {  # fast-path options per variant (config fields)
@@ -76,7 +74,7 @@ def raw_loop(model, x, y, x_unsup, steps: int, strategy: str, batch_sup: int, ba
     if channels_last:
         model.to(memory_format=torch.channels_last)
     if compile:
-        compile_model(model)  # the same G-only, dynamic=False compile as the helper's
+        model.compile(dynamic=False)  # the same compile as the helper's
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY)
     if data_on_device:  # what one writes with the data on the GPU: random index batches there
         x, y, x_unsup = x.to(dev), y.to(dev), x_unsup.to(dev)
@@ -119,8 +117,8 @@ def _setup(model_name: str, batch: int, steps: int, seed: int = 0):
     x = torch.randn(n, *SHAPES[model_name], generator=g)
     y = torch.randint(10, (n,), generator=g)
     xu = torch.randn(n, *SHAPES[model_name], generator=g)
-    split = TransductiveSplit(val_id_x=x[:1], val_id_y=y[:1], val_ood_x=xu[:1] + 3, test_id_x=xu[: n // 2],
-                              test_id_y=y[: n // 2], test_ood_x=xu[n // 2:])
+    split = Split(x_sup=x, y_sup=y, x_unsup=xu, val_id_x=x[:1], val_id_y=y[:1], val_ood_x=xu[:1] + 3,
+                  test_id_x=xu[: n // 2], test_id_y=y[: n // 2], test_ood_x=xu[n // 2:])
     torch.manual_seed(seed)
     return build_model(model_name, SHAPES[model_name][0], 10), x, y, xu, split
 
@@ -136,7 +134,7 @@ def _block(loop: str, model, x, y, xu, split, cfg, strategy: str) -> None:
         raw_loop(model, x, y, xu, cfg.steps_per_epoch, strategy, cfg.batch_size_sup, cfg.batch_size_unsup,
                  cfg.device, cfg.amp, cfg.channels_last, cfg.data_on_device, cfg.compile)
     else:
-        finetune(model, x, y, split, cfg, strategy, progress=False)
+        train(model, split, cfg, strategy, progress=False)
 
 
 def _timed(fn, device: str, clock: str = "wall") -> float:
@@ -191,41 +189,11 @@ def measure(model_name: str, strategy: str, device: str, variant: str, batch: in
             for loop in rates]
 
 
-class PeakTensorMemory(TorchDispatchMode):
-    """Peak bytes of the tensors allocated inside the ``with`` block and alive at the same time.
-
-    Every tensor an operator returns is looked at; a storage not seen before adds its size, and a
-    ``weakref.finalize`` on the storage subtracts it when it is freed. Tensors that existed
-    before the block are not counted. Works on the CPU, whose backward runs in the calling thread.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-        self._alive: set[int] = set()
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
-        self.current -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                if id(storage) not in self._alive:
-                    self._alive.add(id(storage))
-                    self.current += storage.nbytes()
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
-        return out
-
-
 def peak_tensor_memory_mb(loop: str, model, x, y, xu, split, cfg, strategy: str) -> float:
-    """Peak tensor memory (MiB) allocated during one iteration of ``loop`` (:class:`PeakTensorMemory`)."""
-    with PeakTensorMemory() as tracker:
+    """Peak MiB of saved activations during one iteration of ``loop`` (:class:`~mcd_helpers.memory.SavedTensorMeter`)."""
+    with SavedTensorMeter(exclude=[*model.parameters(), x, y, xu]) as meter:
         _block(loop, model, x, y, xu, split, dataclasses.replace(cfg, steps_per_epoch=1), strategy)
-    return tracker.peak / 2**20
+    return meter.peak_bytes / 2**20
 
 
 def checkpoint_ms(model_name: str) -> float:
@@ -236,9 +204,8 @@ def checkpoint_ms(model_name: str) -> float:
         opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
     state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "best_model": model.state_dict()}
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = RollingCheckpoint(Path(tmp))
-        ckpt.save(state)
-        times = [_timed(lambda: ckpt.save(state), "cpu") for _ in range(3)]
+        save_state(Path(tmp) / "last.pt", state)
+        times = [_timed(lambda: save_state(Path(tmp) / "last.pt", state), "cpu") for _ in range(3)]
     return round(1000 * statistics.median(times), 1)
 
 
@@ -287,8 +254,8 @@ def main(argv=None) -> int:
             "timing": "CUDA events" if cuda else ("time.process_time (CPU time of this process)"
                                                   if args.clock == "cpu" else "time.perf_counter (wall)"),
             "peak_memory_method": "torch.cuda.max_memory_allocated over a block, minus the memory allocated "
-            "before it" if cuda else "peak of the tensor memory allocated during one iteration and alive at "
-            "once, counted tensor by tensor by a TorchDispatchMode (benchmarks/run.py PeakTensorMemory)",
+            "before it" if cuda else "peak bytes of the activations autograd saves during one iteration "
+            "(mcd_helpers.memory.SavedTensorMeter)",
             "images_per_iteration": "labeled + unlabeled batch (Step A reuses the labeled batch)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows, "notes": notes}, indent=2) + "\n")
