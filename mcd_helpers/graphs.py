@@ -3,8 +3,8 @@
 torchviz's ``make_dot`` (github.com/szagoruyko/pytorchviz, 0.0.3) walks ``loss.grad_fn`` back to the
 leaves and returns a ``graphviz.Digraph``: grey boxes are backward functions, blue boxes parameters
 (``AccumulateGrad`` leaves, named when ``params`` is given). Rendering needs Graphviz's ``dot``
-program; the DOT text does not. torchviz imports ``distutils``, which Python 3.12 removed; importing
-``setuptools`` first puts its copy in place.
+program; the DOT text does not. torchviz imports ``distutils``, which Python 3.12 removed: setuptools
+(a dependency) provides it.
 """
 from __future__ import annotations
 
@@ -29,18 +29,11 @@ class GraphvizMissingWarning(UserWarning):
 
 
 def _import_make_dot():
-    """``torchviz.make_dot``, importing ``setuptools`` first when ``distutils`` is missing (Python >= 3.12)."""
     try:
         from torchviz import make_dot
-    except ModuleNotFoundError as err:
-        if not (err.name or "").startswith("distutils"):
-            raise ImportError("draw_graph needs torchviz: `pip install torchviz`.") from err
-        try:
-            import setuptools  # noqa: F401  (its distutils shim stands in for the removed module)
-        except ImportError:
-            raise ImportError("torchviz imports distutils, which Python 3.12 removed; "
-                              "`pip install setuptools` provides it.") from err
-        from torchviz import make_dot
+    except ImportError as err:  # torchviz itself, or distutils (gone in Python 3.12; setuptools provides it)
+        raise ImportError(f"draw_graph needs torchviz and, on Python >= 3.12, setuptools (for distutils): `pip install "
+                          f"torchviz setuptools` ({err}).") from err
     return make_dot
 
 

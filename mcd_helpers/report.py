@@ -2,10 +2,10 @@
 
 * :func:`results_markdown` -- ``reproduce``'s ``results.md``; :func:`methods_markdown`,
   :func:`config_markdown` -- notebooks 04-05.
-* The benchmark's report: :func:`benchmark_tables` (summaries and paired differences), the other
-  views notebook 07 shows (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`),
-  and :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``) from ``results.json``'s
-  rows alone: ``write_report(json.load(f), folder)`` rebuilds it.
+* The benchmark's report: :func:`benchmark_tables` (summaries and paired differences), the views
+  notebook 07 shows (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`), and
+  :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``) from ``results.json``'s rows
+  alone: ``write_report(json.load(f), folder)`` rebuilds it.
 """
 from __future__ import annotations
 
@@ -46,34 +46,31 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
     """``reproduce``'s table, one line per row, metrics in %, and the failed OOD sets if any."""
     lines = [[r["id_dataset"] + (f" {r['class_split']}" if r.get("class_split") else ""), r["ood_dataset"], r["method"],
               r["strategy"] or "-", *(f"{100 * r[k]:.2f}" for k in (*METRIC_KEYS, "id_accuracy"))] for r in rows]
-    text = markdown_table(["ID", "OOD", "method", "strategy", "FPR95", "det. error", "AUROC", "AUPR-In", "AUPR-Out",
-                           "ID acc."], lines, "llll" + "r" * 6)
-    text += "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
-    if failures:
-        text += "\n**Failed OOD sets** (no rows):\n\n" + "".join(f"- {k}: {v}\n" for k, v in failures.items())
-    return text
+    header = ["ID", "OOD", "method", "strategy", "FPR95", "det. error", "AUROC", "AUPR-In", "AUPR-Out", "ID acc."]
+    text = markdown_table(header, lines, "llll" + "r" * 6) + "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
+    return text + ("\n**Failed OOD sets** (no rows):\n\n" + "".join(f"- {k}: {v}\n" for k, v in failures.items())
+                   if failures else "")
 
 
 def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = ("msp", "odin", "energy", "mcd")) -> str:
-    """One line per OOD set: AUROC and FPR95 of each method (%, the best in bold), F1's ID accuracy before and after MCD."""
-    names = {"msp": "MSP", "odin": "ODIN", "energy": "energy", "mcd": "MCD"}
+    """A line per OOD set: AUROC and FPR95 of each method (%, the best in bold), F1's ID accuracy before and after MCD."""
     lines = []
     for ood in dict.fromkeys(r["ood_dataset"] for r in rows):
-        by = {r["method"]: r for r in rows if r["ood_dataset"] == ood}
-        cells = [ood]
+        by, cells = {r["method"]: r for r in rows if r["ood_dataset"] == ood}, [ood]
         for key, best in (("auroc", max), ("fpr95", min)):
             top = best(by[m][key] for m in methods if m in by)
-            cells += ["–" if m not in by else f"**{100 * by[m][key]:.2f}**" if by[m][key] == top else f"{100 * by[m][key]:.2f}"
+            cells += ["–" if m not in by else f"**{100 * top:.2f}**" if by[m][key] == top else f"{100 * by[m][key]:.2f}"
                       for m in methods]
         lines.append(cells + [f"{100 * by[m]['id_accuracy']:.2f}" if m in by else "–" for m in ("msp", "mcd")])
-    header = ["OOD set", *(f"{k} {names[m]}" for k in ("AUROC", "FPR95") for m in methods), "ID acc. pre-trained", "ID acc. MCD"]
+    names = {"msp": "MSP", "odin": "ODIN", "energy": "energy", "mcd": "MCD"}
+    header = ["OOD set", *(f"{k} {names[m]}" for k in ("AUROC", "FPR95") for m in methods), "ID acc. pre-trained",
+              "ID acc. MCD"]
     return (markdown_table(header, lines, "l" + "r" * (len(header) - 1)) + "\n\nAll numbers in %. AUROC: higher is "
             "better; FPR95 (OOD accepted at 95% ID accepted): lower is better.")
 
 
 def config_markdown(cfg) -> str:
     """A config's main settings as a two-column table."""
-    steps = cfg.steps_per_epoch or "one pass over the labeled set"
     rows = [("ID set, model", f"{cfg.id_dataset}, {cfg.model} ({cfg.norm} norm)"),
             ("training images (labeled)", f"{cfg.train_subset:,}" if cfg.train_subset else "all"),
             ("ID test images", f"{cfg.test_subset:,}" if cfg.test_subset else "all"),
@@ -81,25 +78,18 @@ def config_markdown(cfg) -> str:
             ("pre-training", f"{cfg.pretrain_epochs} epochs, SGD lr {cfg.pretrain_lr}, batch {cfg.pretrain_batch_size}, "
                              f"lr × 0.1 at epochs {list(cfg.pretrain_milestones)}"),
             ("fine-tuning schedule", "Step A then Step B" if cfg.schedule == "official" else "Step B only"),
-            ("fine-tuning", f"{cfg.finetune_epochs} epoch(s) × {steps} steps, SGD lr {cfg.finetune_lr}, weight decay "
-                            f"{cfg.finetune_weight_decay}"),
+            ("fine-tuning", f"{cfg.finetune_epochs} epoch(s) × {cfg.steps_per_epoch or 'one pass over the labeled set'} "
+                            f"steps, SGD lr {cfg.finetune_lr}, weight decay {cfg.finetune_weight_decay}"),
             ("batch, labeled + unlabeled", f"{cfg.batch_size_sup} + {cfg.batch_size_unsup}"),
-            ("margin m", f"{cfg.margin} nats"),
-            ("ODIN grid", f"T ∈ {list(cfg.odin_temperatures)}, ε ∈ {list(cfg.odin_epsilons)}"), ("seed", str(cfg.seed))]
+            ("margin m", f"{cfg.margin} nats"), ("seed", str(cfg.seed)),
+            ("ODIN grid", f"T ∈ {list(cfg.odin_temperatures)}, ε ∈ {list(cfg.odin_epsilons)}")]
     return markdown_table(["setting", "value"], rows)
 
 
-# ---- the benchmark ----------------------------------------------------------------------------------
-
-def _pooled(rows: Sequence[dict]) -> list[dict]:
-    """The rows with every class split pooled: split ``all``, a pair per split and seed."""
-    return [{**r, "class_split": ALL_SPLITS, "seed": f"{r['class_split']}:{r['seed']}"} for r in rows]
-
-
-def _pairs(rows: Sequence[dict], keys=KEYS) -> list[dict]:
-    strategies = {r["strategy"] for r in rows}
-    return [d for a, b in COMPARISONS if {a, b} <= strategies for m in METRICS
-            for d in paired_differences([r for r in rows if r["strategy"] in (a, b)], a, b, m, keys)]
+def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:
+    """``fn(rows)``, and with several class splits also ``fn`` of the rows pooled (split ``all``, a pair per split and seed)."""
+    pooled = [{**r, "class_split": ALL_SPLITS, "seed": f"{r['class_split']}:{r['seed']}"} for r in rows]
+    return fn(rows) + (fn(pooled) if len({r["class_split"] for r in rows}) > 1 else [])
 
 
 def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[dict]]:
@@ -107,10 +97,9 @@ def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[
     :data:`KEYS` and strategy, and each comparison of :data:`COMPARISONS` per group (with several class
     splits also pooled over them, ``class_split = "all"``). ValueError from the statistics."""
     mine = [r for r in rows if r["task"] == task]
-    paired = _pairs(mine)
-    if len({r["class_split"] for r in mine}) > 1:
-        paired += _pairs(_pooled(mine))
-    return summarize(mine, METRICS, KEYS + ("strategy",)), paired
+    pairs = lambda rs: [d for a, b in COMPARISONS if {a, b} <= {r["strategy"] for r in rs} for m in METRICS  # noqa: E731
+                        for d in paired_differences([r for r in rs if r["strategy"] in (a, b)], a, b, m, KEYS)]
+    return summarize(mine, METRICS, KEYS + ("strategy",)), _with_pooled(mine, pairs)
 
 
 def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric: str = "auroc",
@@ -119,15 +108,17 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
     seed (and split) of the same method, network and strategy (``arm``; ``"-"`` for baselines), all else equal."""
     if field not in ("protocol", "selection"):
         raise ValueError(f"field must be 'protocol' or 'selection', got {field!r}.")
-    keys = ("task", "class_split", "selection" if field == "protocol" else "protocol", "method", "ood_dataset", "norm", "arm")
-    mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows if r["task"] == task and r[field] in (a, b)]
-    pooled = _pooled(mine) if len({r["class_split"] for r in mine}) > 1 else []
-    return paired_differences(mine, a, b, metric, keys) + (paired_differences(pooled, a, b, metric, keys) if pooled else [])
+    keys = ("task", "class_split", "selection" if field == "protocol" else "protocol", "method", "ood_dataset", "norm",
+            "arm")
+    mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows
+            if r["task"] == task and r[field] in (a, b)]
+    return _with_pooled(mine, lambda rs: paired_differences(rs, a, b, metric, keys))
 
 
 def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
     """The summary of ``task``'s rows over every class split and seed together (a value per split and seed)."""
-    return summarize([r for r in rows if r["task"] == task], METRICS, tuple(k for k in KEYS + ("strategy",) if k != "class_split"))
+    keys = tuple(k for k in KEYS + ("strategy",) if k != "class_split")
+    return summarize([r for r in rows if r["task"] == task], METRICS, keys)
 
 
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
@@ -136,15 +127,15 @@ def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: st
     protocols, by = protocol_order(g["protocol"] for g in entries), {}
     for g in entries:
         by.setdefault(method_label(g), {})[g["protocol"]] = g
-    lines = [[name, min(g["n"] for g in cells.values())] + [_ci(cells[p][metric]) if p in cells else "-" for p in protocols]
+    lines = [[name, min(g["n"] for g in cells.values()), *(_ci(cells[p][metric]) if p in cells else "-" for p in protocols)]
              for name, cells in by.items()]
     return markdown_table(["method", "n", *(f"{p}: {NAMES.get(metric, metric)} (%)" for p in protocols)], lines)
 
 
 def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float | None = None) -> str:
     """The whole ``summary.md``: per task (near-OOD, far-OOD) the summary per selection and the paired differences."""
-    parts = [f"# {title}", "", f"{len(rows)} rows, seeds {sorted({r['seed'] for r in rows})}. Metrics in %: AUROC, FPR95 "
-             "(ID positive, at 95% TPR; lower is better) and F1's ID test accuracy. MCD rows are fine-tuned networks, "
+    parts = [f"# {title}", "", f"{len(rows)} rows, seeds {sorted({r['seed'] for r in rows})}. Metrics in %: AUROC, "
+             "FPR95 (ID positive, at 95% TPR; lower is better) and F1's ID test accuracy. MCD rows are fine-tuned networks, "
              "MSP/ODIN/energy the pre-trained BatchNorm one. Each cell: mean ± half-width of the 95% confidence interval "
              "over seeds (Student t)."]
     if seconds is not None:
@@ -155,28 +146,26 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
             continue
         summary, paired = benchmark_tables(rows, task)
         splits, oods = sorted({r["class_split"] for r in mine}), sorted({r["ood_dataset"] for r in mine})
-        cols = ["split"] * (len(splits) > 1) + ["OOD"] * (len(oods) > 1)
+        cols = [k for k, many in (("class_split", len(splits) > 1), ("ood_dataset", len(oods) > 1)) if many]
+        names = [{"class_split": "split", "ood_dataset": "OOD"}[k] for k in cols]
         parts += ["", f"## {heading}", "", f"Class splits {', '.join(splits)}; OOD: {', '.join(oods)}.", ""]
         for selection in dict.fromkeys(g["selection"] for g in summary):
-            lines = [[g[{"split": "class_split", "OOD": "ood_dataset"}[c]] for c in cols]
-                     + [g["protocol"], method_label(g), g["n"], *(_ci(g[m]) for m in METRICS)]
+            lines = [[g[k] for k in cols] + [g["protocol"], method_label(g), g["n"], *(_ci(g[m]) for m in METRICS)]
                      for g in summary if g["selection"] == selection]
             parts += [f"**Model selection: {selection}**", "", markdown_table(
-                cols + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"], lines), ""]
+                names + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"], lines), ""]
         by: dict[tuple, dict] = {}
         for d in paired:
-            by.setdefault((d["class_split"], d["ood_dataset"], d["protocol"], d["selection"], d["norm"], d["a"], d["b"]),
-                          {})[d["metric"]] = d
-        lines = [[k[0]] * (len(splits) > 1) + [k[1]] * (len(oods) > 1)
-                 + [k[2], k[3], {"batch": "BatchNorm", "group": "GroupNorm"}[k[4]], f"{k[5]} − {k[6]}", ds["auroc"]["n"],
-                    *(_ci(ds[m], True) for m in METRICS),
-                    "n/a" if math.isnan(ds["auroc"]["p_value"]) else f"{ds['auroc']['p_value']:.2g}"] for k, ds in by.items()]
+            by.setdefault(tuple(d[k] for k in (*cols, "protocol", "selection", "norm", "a", "b")), {})[d["metric"]] = d
+        lines = [[*k[:-3], {"batch": "BatchNorm", "group": "GroupNorm"}[k[-3]], f"{k[-2]} − {k[-1]}", ds["auroc"]["n"],
+                  *(_ci(ds[m], True) for m in METRICS),
+                  "n/a" if math.isnan(ds["auroc"]["p_value"]) else f"{ds['auroc']['p_value']:.2g}"] for k, ds in by.items()]
         if lines:
             parts += ["### Paired differences", "", "Same seed (and split) for both strategies; mean ± 95% CI half-width "
                       "in percentage points, p of the two-sided paired t-test on AUROC"
                       + (f"; split `{ALL_SPLITS}` pools every split" if len(splits) > 1 else "") + ".", "",
-                      markdown_table(cols + ["protocol", "selection", "network", "difference", "pairs",
-                                             *(f"Δ{NAMES[m]} (pp)" for m in METRICS), "p (AUROC)"], lines)]
+                      markdown_table(names + ["protocol", "selection", "network", "difference", "pairs",
+                                              *(f"Δ{NAMES[m]} (pp)" for m in METRICS), "p (AUROC)"], lines)]
     return "\n".join(parts).rstrip() + "\n"
 
 
@@ -190,17 +179,18 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
     """``summary.md`` and, with near-OOD rows, ``forest.png`` and ``by_protocol.png`` (the first selection) in ``folder``."""
     import matplotlib.pyplot as plt
 
-    def png(fig) -> bytes:
+    def save(name: str, fig) -> None:
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100)
         plt.close(fig)
-        return buf.getvalue()
+        atomic_write(Path(folder) / name, buf.getvalue())
 
     atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds))
     if any(r["task"] == "near-ood" for r in rows):
         summary, paired = benchmark_tables(rows, "near-ood")
         if forest_entries(paired):
-            atomic_write(Path(folder) / "forest.png", png(forest_plot(forest_entries(paired), "auroc",
-                                                                  "MCD, held-out classes: paired AUROC differences (same seed)")))
-        series = [{**g, "method": method_label(g), "strategy": ""} for g in summary if g["selection"] == summary[0]["selection"]]
-        atomic_write(Path(folder) / "by_protocol.png", png(plot_by_protocol(series, "auroc")))
+            save("forest.png", forest_plot(forest_entries(paired), "auroc", "MCD, held-out classes: paired AUROC "
+                                                                           "differences (same seed)"))
+        first = summary[0]["selection"]
+        save("by_protocol.png", plot_by_protocol([{**g, "method": method_label(g), "strategy": ""} for g in summary
+                                                  if g["selection"] == first], "auroc"))

@@ -111,33 +111,14 @@ def test_densenet_step_b_is_declined_by_default_and_drawn_on_request():
     assert len(drawn_nodes(draw_graph(loss, model, max_nodes=None))) > n
 
 
-def fake_imports(monkeypatch, missing):
-    """Make `import torchviz` fail as it does without distutils / torchviz, and optionally setuptools."""
-    real_import, calls = builtins.__import__, []
+@pytest.mark.parametrize("missing", ["torchviz", "distutils"])
+def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
+    real_import = builtins.__import__
 
     def fake(name, *args, **kwargs):
-        calls.append(name)
-        if name == "torchviz" and (missing == "torchviz" or "setuptools" not in calls):
-            mod = "torchviz" if missing == "torchviz" else "distutils"
-            raise ModuleNotFoundError(f"No module named '{mod}'", name=mod)
-        if name == "setuptools" and missing == "setuptools":
-            raise ImportError("No module named 'setuptools'")
+        if name == "torchviz":
+            raise ModuleNotFoundError(f"No module named '{missing}'", name=missing)
         return real_import(name, *args, **kwargs)
-
     monkeypatch.setattr(builtins, "__import__", fake)
-    return calls
-
-
-@pytest.mark.parametrize("missing, match", [("torchviz", r"draw_graph needs torchviz: `pip install torchviz`"),
-                                            ("setuptools", r"torchviz imports distutils.*`pip install setuptools`")])
-def test_missing_imports_are_named_with_the_fix(monkeypatch, missing, match):
-    fake_imports(monkeypatch, missing)
-    with pytest.raises(ImportError, match=match):
+    with pytest.raises(ImportError, match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'"):
         graphs._import_make_dot()
-
-
-def test_missing_distutils_is_replaced_by_setuptools_and_retried(monkeypatch):
-    calls = fake_imports(monkeypatch, "distutils")
-    make_dot = graphs._import_make_dot()
-    assert make_dot.__name__ == "make_dot"
-    assert [c for c in calls if c in ("torchviz", "setuptools")] == ["torchviz", "setuptools", "torchviz"]
