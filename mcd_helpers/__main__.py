@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("reproduce", help="pre-train, fine-tune with MCD, evaluate MSP, ODIN, energy and MCD",
-                         description="Pre-train on the ID set (or load the cached network), fine-tune one model per OOD "
-                         "set and strategy, evaluate MSP, ODIN, energy and MCD on the test split, write results.json, "
-                         "results.md and PNG plots into --out.")
+                         description="Pre-train on the ID set (or load the cached network), fine-tune one model "
+                         "per OOD set and strategy, evaluate MSP, ODIN, energy and MCD on the test split, write "
+                         "results.json, results.md and PNG plots into --out.")
     bench = sub.add_parser("benchmark", help="near-OOD benchmark: protocols x strategies x methods over seeds",
                            description="A benchmark preset's grid (held-out Fashion-MNIST classes under the transductive, "
                            "disjoint and unseen-ood protocols; MCD strategies; MSP, ODIN, energy) over seeds; writes "
@@ -59,37 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     for name, kind in (("seeds", int), ("class-splits", _csv(str)), ("protocols", _csv(str)), ("strategies", _csv(str)),
                        ("selections", _csv(str))):
-        bench.add_argument(f"--{name}", type=kind, default=None, help=f"{name.replace('-', ' ')} (default: the preset's)")
-    # each field's help: its comment in MCDConfig's source
+        bench.add_argument(f"--{name}", type=kind, help=f"{name.replace('-', ' ')} (default: the preset's)")
+    # each field's help: its comment in MCDConfig's source; None (argparse's default): not given
     comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", inspect.getsource(MCDConfig), re.M))
     for f, hint in typing.get_type_hints(MCDConfig).items():
-        text = (f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")).replace("%", "%%") + " (default: the preset's)"
-        if hint is bool:
-            rep.add_argument(f"--{f.replace('_', '-')}", action=argparse.BooleanOptionalAction, default=None, dest=f, help=text)
-        else:
-            kind = _csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint
-            rep.add_argument(f"--{f.replace('_', '-')}", type=kind, default=None, dest=f, help=text)
+        text = (f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")).replace("%", "%%")
+        kind = (dict(action=argparse.BooleanOptionalAction) if hint is bool else
+                dict(type=_csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint))
+        rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=f"{text} (default: the preset's)", **kind)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> MCDConfig:
-    """The preset ``args.preset`` with every flag given applied (KeyError: an unknown preset; ConfigError: a bad value)."""
+    """The preset ``args.preset`` with every flag given applied (KeyError: an unknown preset; ConfigError: a bad
+    value)."""
     return get_preset(args.preset, **{f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
                                       if getattr(args, f.name) is not None})
-
-
-def _report(err: BaseException, tag: str = "") -> int:
-    """Print ``err`` as one message (a traceback only for a bug) and return its exit code."""
-    code = exit_code(err)
-    if code >= 128:
-        print(f"{tag}interrupted: {err or 'Ctrl-C'} Continue with the same command and --resume.", file=sys.stderr)
-    elif isinstance(err, ConfigError):
-        print(f"{tag}error: {err.flag}: {err}", file=sys.stderr)
-    elif isinstance(err, (ValueError, KeyError, OSError, RuntimeError, FloatingPointError)):
-        print(f"{tag}error: {err.args[0] if isinstance(err, KeyError) else err}", file=sys.stderr)
-    else:
-        raise err  # a bug, not a user's error: keep the traceback
-    return code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,43 +82,49 @@ def main(argv: list[str] | None = None) -> int:
     import os
 
     tag = "" if os.environ.get("RANK", "0") == "0" else f"[rank {os.environ['RANK']}] "  # torchrun: every rank reports
+    bench = args.command == "benchmark"
     try:
-        if args.command == "benchmark":
-            from .benchmark import BENCHMARK_PRESETS, run_benchmark
+        if args.list_presets and bench:
+            from .benchmark import BENCHMARK_PRESETS
 
-            if args.list_presets:
-                for name, p in BENCHMARK_PRESETS.items():
-                    print(f"{name}: {p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most {p.max_seeds})")
-                return 0
-            if args.out is None:
-                raise ConfigError("out", "--out DIR is required (the folder for results.json, scores/, summary.md).")
+            for name, p in BENCHMARK_PRESETS.items():
+                print(f"{name}: {p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most {p.max_seeds})")
+            return 0
+        if args.list_presets:
+            for name, cfg in PRESETS.items():
+                changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+                           if getattr(cfg, f.name) != f.default}
+                print(f"{name}: {changed or 'the MCDConfig defaults'}")
+            return 0
+        if args.out is None:
+            raise ConfigError("out", "--out DIR is required (the folder for results.json, "
+                                     f"{'scores/, summary.md' if bench else 'results.md and plots'}).")
+        how = dict(retrain=args.retrain, progress=not args.quiet, quiet=args.quiet, resume=args.resume,
+                   fresh=args.fresh)
+        if bench:
+            from .benchmark import run_benchmark
+
             run_benchmark(args.preset, args.out, args.seeds, args.class_splits, args.protocols, args.strategies,
-                          args.selections, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
-                          resume=args.resume, fresh=args.fresh)
-            shown = args.out / "summary.md"
+                          args.selections, **how)
         else:
-            if args.list_presets:
-                for name, cfg in PRESETS.items():
-                    changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                               if getattr(cfg, f.name) != getattr(MCDConfig(), f.name)}
-                    print(f"{name}: {changed or 'the MCDConfig defaults'}")
-                return 0
-            if args.out is None:
-                raise ConfigError("out", "--out DIR is required (the folder for results.json, results.md and plots).")
             from .run import run_reproduction
 
-            run_reproduction(config_from_args(args), args.out, retrain=args.retrain, progress=not args.quiet, quiet=args.quiet,
-                             resume=args.resume, fresh=args.fresh)
-            shown = args.out / "results.md"
+            run_reproduction(config_from_args(args), args.out, **how)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (one message and one exit code per error class)
-        return _report(err, tag)
+        code = exit_code(err)
+        if code < 128 and not isinstance(err, (ValueError, KeyError, OSError, RuntimeError, FloatingPointError)):
+            raise  # a bug, not a user's error: keep the traceback
+        print(tag + (f"interrupted: {err or 'Ctrl-C'} Continue with the same command and --resume." if code >= 128
+                     else f"error: {err.flag}: {err}" if isinstance(err, ConfigError)
+                     else f"error: {err.args[0] if isinstance(err, KeyError) else err}"), file=sys.stderr)
+        return code
     finally:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     if not args.quiet and not tag:
-        print(shown.read_text())
+        print((args.out / ("summary.md" if bench else "results.md")).read_text())
     return 0
 
 

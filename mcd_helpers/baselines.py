@@ -61,5 +61,4 @@ def tune_odin(model: nn.Module, val_id_x: torch.Tensor, val_ood_x: torch.Tensor,
     for t in temperatures:  # one input gradient per temperature, shared by every epsilon
         s_id, s_ood = (odin_scores(model, v, t, epsilons, pixel_std, batch_size, device) for v in (val_id_x, val_ood_x))
         grid.update({(t, eps): ood_metrics(a, b)["auroc"] for eps, a, b in zip(epsilons, s_id, s_ood)})
-    best = max(grid, key=grid.get)  # max returns the first maximal key
-    return best[0], best[1], grid
+    return (*max(grid, key=grid.get), grid)  # max returns the first maximal key

@@ -77,10 +77,9 @@ BENCHMARK_PRESETS = {
         about="splits a, b, c, every protocol, strategy and method, far rows, 5 seeds; CPU, about an hour"),
     # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
-        MCDConfig(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200, pretrain_epochs=1,
-                  pretrain_milestones=(), pretrain_batch_size=64, finetune_epochs=2, steps_per_epoch=4, finetune_lr=0.005,
-                  batch_size_sup=16, batch_size_unsup=16, eval_batch_size=500, unlabeled_ood="photo_crops",
-                  channels_last=True, odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.002)),
+        MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,
+                  pretrain_epochs=1, pretrain_milestones=(), pretrain_batch_size=64, steps_per_epoch=4,
+                  batch_size_sup=16, batch_size_unsup=16, eval_batch_size=500, odin_epsilons=(0.0, 0.002))),
         class_splits=("a",), far_ood_sets=("gaussian",), seeds=5, max_seeds=5, about="the whole grid at toy size, for the tests"),
 }
 
@@ -116,8 +115,8 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
         raise ConfigError("seeds", f"seeds must be an integer from 2 (a confidence interval needs two) to {p.max_seeds} "
                                    f"(preset {preset!r}'s most), got {seeds!r}.")
 
-    def subset(name: str, asked, default, valid) -> tuple:
-        asked = tuple(default if asked is None else asked)
+    def subset(name: str, asked, valid) -> tuple:  # the values asked for, else the preset's
+        asked = tuple(getattr(p, name) if asked is None else asked)
         if not asked or set(asked) - set(valid) or len(set(asked)) < len(asked):
             raise ConfigError(name, f"{name} {list(asked)}: give each value once, from {', '.join(valid)}.")
         return asked
@@ -127,9 +126,9 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
     if not splits or len(set(classes)) < len(classes):
         raise ConfigError("class_splits", f"class splits {list(splits)}: name at least one, each split once (also "
                                          "under two names it would count twice in the statistics).")
-    chosen = subset("strategies", strategies, p.strategies, STRATEGIES)
-    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, p.protocols, PROTOCOLS),
-                               strategies=chosen, selections=subset("selections", selections, p.selections, SELECTIONS),
+    chosen = subset("strategies", strategies, STRATEGIES)
+    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, PROTOCOLS),
+                               strategies=chosen, selections=subset("selections", selections, SELECTIONS),
                                reference=tuple(s for s in p.reference if strategies is None or s in chosen),
                                far_strategies=tuple(s for s in p.far_strategies if strategies is None or s in chosen))
 
@@ -196,8 +195,7 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
     settings = {"preset": preset, **{k: v for k, v in dataclasses.asdict(p).items() if k != "config"},
                 "config": p.config.to_dict()}
     with output_folder(out, settings, resume, fresh, quiet) as info:
-        data = load_data(p.config)
-        cells = cells_of(p)
+        data, cells = load_data(p.config), cells_of(p)
         for cell in {dataclasses.replace(c, seed=0) for c in cells}:  # every split of the grid, before any training
             check_split(p.config, make_split(_cell_config(p, cell), data, cell.ood), cell.name)
         rows, retrained = [], set() if retrain else False

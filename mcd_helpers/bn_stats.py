@@ -39,9 +39,7 @@ def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: s
     if strategy not in ("concat", "separate"):
         raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
     _check_momentum(momentum)
-    for name, h in (("h_sup", h_sup), ("h_unsup", h_unsup)):
-        if h is None:
-            continue
+    for name, h in [("h_sup", h_sup)] + ([] if h_unsup is None else [("h_unsup", h_unsup)]):
         if not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point() or h.shape[1] == 0:
             raise ValueError(f"{name} must be a floating BatchNorm input of shape (N, C, *spatial), got "
                              f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}.")
@@ -116,10 +114,8 @@ def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
         mean, var, n = batch_stats(torch.cat([h_sup, h_unsup]))
         return {"mean": mean, "var": unbiased(var, n)}
     (m_s, v_s, n_s), (m_u, v_u, n_u) = batch_stats(h_sup), batch_stats(h_unsup)
-    means, variances = [m_s, m_u], [unbiased(v_s, n_s), unbiased(v_u, n_u)]
-    if momentum is None:
-        return {"mean": sum(means) / 2, "var": sum(variances) / 2}
-    return {"mean": ema_fixed_point(means, momentum), "var": ema_fixed_point(variances, momentum)}
+    stats = {"mean": [m_s, m_u], "var": [unbiased(v_s, n_s), unbiased(v_u, n_u)]}
+    return {k: sum(v) / 2 if momentum is None else ema_fixed_point(v, momentum) for k, v in stats.items()}
 
 
 def train_statistics(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str) -> dict[str, tuple]:

@@ -101,29 +101,30 @@ class ForwardsComparison:
     @property
     def verdict(self) -> str:
         dtype = str(self.dtype).replace("torch.", "")
-        return (f"same up to {dtype} rounding" if self.same else "DIFFERENT") + f" (relative tolerance {self.tolerance:g})"
+        return f"{f'same up to {dtype} rounding' if self.same else 'DIFFERENT'} (relative tolerance {self.tolerance:g})"
 
     def _rows(self) -> list[tuple[str, str, str, str]]:
-        rows = [("loss", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}"),
-                ("max |grad| / max |Δgrad|", f"{self.grad_scale:.3g}", "", f"{self.max_grad_diff:.3g}")]
-        rows += [(f"grad {k}", "", "", f"{d:.3g}") for k, d in sorted(self.grad_diff.items(), key=lambda kv: -kv[1])[:5]]
-        if self.tracked_increments:
-            rows.append(("running-stat updates per step", *(f"+{n}" for n in self.tracked_increments), ""))
-        rows += [(f"buffer {k}", "", "", f"{d:.3g}") for k, d in self.buffer_diff.items()
-                 if not k.endswith("num_batches_tracked") and d > 0][:6]
-        if self.no_grad_params:
-            rows.append((f"parameters without a gradient (not compared): {len(self.no_grad_params)}", "", "", ""))
-        return rows
+        """The report's table, header first: the 5 largest gradient differences, the first 6 nonzero buffer ones."""
+        inc, top = self.tracked_increments, sorted(self.grad_diff.items(), key=lambda kv: -kv[1])[:5]
+        return [("quantity", "concat", "separate", "|Δ|"),
+                ("loss", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}"),
+                ("max |grad| / max |Δgrad|", f"{self.grad_scale:.3g}", "", f"{self.max_grad_diff:.3g}"),
+                *[(f"grad {k}", "", "", f"{d:.3g}") for k, d in top],
+                *([("running-stat updates per step", f"+{inc[0]}", f"+{inc[1]}", "")] if inc else []),
+                *[(f"buffer {k}", "", "", f"{d:.3g}") for k, d in self.buffer_diff.items()
+                  if not k.endswith("num_batches_tracked") and d > 0][:6],
+                *([(f"parameters without a gradient (not compared): {len(self.no_grad_params)}", "", "", "")]
+                  if self.no_grad_params else [])]
 
     def _head(self) -> str:
         return (f"concat vs {len(self.batch_sizes)} separate forwards, {'train' if self.training else 'eval'} mode, "
                 f"batches {' + '.join(map(str, self.batch_sizes))}: {self.verdict}")
 
     def __str__(self) -> str:
-        return self._head() + "\n" + _text([("quantity", "concat", "separate", "|Δ|")] + self._rows())
+        return self._head() + "\n" + _text(self._rows())
 
     def _repr_html_(self) -> str:
-        return f"<p>{html.escape(self._head())}</p>" + _html([("quantity", "concat", "separate", "|Δ|")] + self._rows())
+        return f"<p>{html.escape(self._head())}</p>" + _html(self._rows())
 
 
 def _text(rows) -> str:
@@ -132,10 +133,9 @@ def _text(rows) -> str:
 
 
 def _html(rows) -> str:
-    head, *body = rows
-    cells = lambda r, tag: "".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in r)  # noqa: E731
-    return (f"<table><thead><tr>{cells(head, 'th')}</tr></thead><tbody>"
-            + "".join(f"<tr>{cells(r, 'td')}</tr>" for r in body) + "</tbody></table>")
+    head, *body = ("".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in r)
+                   for r, tag in zip(rows, ["th", *["td"] * len(rows)]))
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(f'<tr>{r}</tr>' for r in body)}</tbody></table>"
 
 
 class ComparisonTable:
@@ -216,7 +216,7 @@ def compare_forwards(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn:
             m.zero_grad(set_to_none=True)
             loss = loss_fn(forward_outputs(m, batches, strategy))
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss).__name__)}.")
+                raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}.")
             if any(p.requires_grad for p in m.parameters()):
                 if loss.grad_fn is None:
                     raise ValueError("loss_fn returned a loss without a gradient path to the parameters (detached, "
@@ -254,9 +254,8 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
     if y_sup.shape != x_sup.shape[:1]:
         raise ValueError(f"y_sup must have shape ({len(x_sup)},) to match x_sup, got {tuple(y_sup.shape)}.")
-    device = next(model.parameters()).device
-    return compare_forwards(model, [x_sup, x_unsup], lambda out: step_b_objective(out, y_sup.to(device), margin)[0],
-                            dtype, seed)
+    y_sup = y_sup.to(next(model.parameters()).device)
+    return compare_forwards(model, [x_sup, x_unsup], lambda out: step_b_objective(out, y_sup, margin)[0], dtype, seed)
 
 
 def coupling_matrix(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -271,10 +270,9 @@ def coupling_matrix(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) < 1:
         raise ValueError("x must be a batch tensor (N, ...) with N >= 1.")
-    m = copy.deepcopy(model)
-    p = next(m.parameters())
+    p = next(model.parameters())
     x = x.detach().to(p.device, p.dtype).requires_grad_(True)
-    out = torch.cat(m(x), dim=1)  # (N, 2K)
+    out = torch.cat(copy.deepcopy(model)(x), dim=1)  # (N, 2K)
     sq = torch.zeros(len(x), len(x), dtype=torch.float64)
     for i in range(out.shape[0]):
         for k in range(out.shape[1]):

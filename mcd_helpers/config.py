@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from dataclasses import dataclass
 
 from .data import ID_DATASETS, OFFLINE_OOD_SETS, OOD_SETS
 from .errors import ConfigError
@@ -32,7 +31,7 @@ RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size"
               "compile", "data_on_device", "ood_sets", "strategies", "odin_temperatures", "odin_epsilons")
 
 
-@dataclass
+@dataclasses.dataclass
 class MCDConfig:
     """Hyperparameters of one reproduction run (pre-training, then fine-tuning per OOD set and strategy).
 
@@ -54,7 +53,7 @@ class MCDConfig:
     protocol: str = "transductive"  # transductive (paper) | disjoint | unseen-ood (splits.PROTOCOLS)
     selection: str = "ood-labels"  # ood-labels (official: best validation AUROC) | last-epoch
     n_holdout: int = 6000  # disjoint / unseen-ood: ID training images held out as the unlabeled pool's ID part
-    unlabeled_ood: str = "digits"  # unseen-ood: where the unlabeled OOD images come from (the test OOD: held-out classes)
+    unlabeled_ood: str = "digits"  # unseen-ood: the source of the unlabeled OOD images (the test OOD: held-out classes)
 
     # --- model ---
     model: str = "small_cnn"  # small_cnn | densenet_bc_100 | wrn_28_10
@@ -116,15 +115,12 @@ class MCDConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
                 raise ConfigError(name, f"{name} must be a finite number >= {low}, got {value!r}.")
-        checks = [
-            ("pretrain_lr", isinstance(self.pretrain_lr, (int, float)) and math.isfinite(self.pretrain_lr)
-             and self.pretrain_lr > 0, "pretrain_lr must be a number > 0"),
-            ("finetune_lr", isinstance(self.finetune_lr, (int, float)) and math.isfinite(self.finetune_lr)
-             and self.finetune_lr > 0, "finetune_lr must be a number > 0"),
-            ("seed", self.seed < 2**32, "seed must be below 2**32"),
-            ("split_seed", self.split_seed < 2**32, "split_seed must be below 2**32"),
-            ("pretrain_momentum", self.pretrain_momentum < 1, "pretrain_momentum must be below 1"),
-            ("finetune_momentum", self.finetune_momentum < 1, "finetune_momentum must be below 1"),
+        checks = [(name, isinstance(value := getattr(self, name), (int, float)) and math.isfinite(value) and value > 0,
+                   f"{name} must be a number > 0") for name in ("pretrain_lr", "finetune_lr")]
+        checks += [(name, getattr(self, name) < high, f"{name} must be below {text}") for name, high, text in (
+            ("seed", 2**32, "2**32"), ("split_seed", 2**32, "2**32"),
+            ("pretrain_momentum", 1, "1"), ("finetune_momentum", 1, "1"))]
+        checks += [
             ("margin", self.margin <= 3.4e38, f"margin must be at most 3.4e38 nats (float32's largest number; the loss "
                                               f"would be inf), got {self.margin}; the official margin is 1.2"),
             ("strategies", self.strategies and set(self.strategies) <= set(STRATEGIES),
@@ -198,10 +194,8 @@ PRESETS: dict[str, MCDConfig] = {
                                 pretrain_milestones=(1,), steps_per_epoch=30, finetune_epochs=3, finetune_lr=0.005,
                                 batch_size_sup=64, batch_size_unsup=64, strategies=("separate",),
                                 odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.001, 0.002, 0.004)),
-    "paper-cifar10-densenet": MCDConfig(id_dataset="cifar10", model="densenet_bc_100", **_PAPER),
-    "paper-cifar10-wrn": MCDConfig(id_dataset="cifar10", model="wrn_28_10", **_PAPER),
-    "paper-cifar100-densenet": MCDConfig(id_dataset="cifar100", model="densenet_bc_100", **_PAPER),
-    "paper-cifar100-wrn": MCDConfig(id_dataset="cifar100", model="wrn_28_10", **_PAPER),
+    **{f"paper-{id_set}-{net}": MCDConfig(id_dataset=id_set, model=model, **_PAPER)
+       for id_set in ("cifar10", "cifar100") for net, model in (("densenet", "densenet_bc_100"), ("wrn", "wrn_28_10"))},
     "unofficial-cifar10-densenet": MCDConfig(id_dataset="cifar10", model="densenet_bc_100", **{**_PAPER, **_STEP_B}),
 }
 """Named presets of ``reproduce --preset NAME``; every field can still be overridden by its flag.

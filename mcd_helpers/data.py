@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import shutil
 import struct
 import tempfile
 import zlib
@@ -38,20 +37,17 @@ import torch
 from .errors import DataNotFoundError
 
 FMNIST_MEAN, FMNIST_STD = 0.2860, 0.3530  # over the 60k training images, pixels in [0, 1]
-CIFAR_MEAN = (125.3 / 255, 123.0 / 255, 113.9 / 255)  # official code (and ODIN's)
-CIFAR_STD = (63.0 / 255, 62.1 / 255, 66.7 / 255)
+CIFAR_MEAN, CIFAR_STD = (125.3 / 255, 123.0 / 255, 113.9 / 255), (63.0 / 255, 62.1 / 255, 66.7 / 255)  # official code
 DEBIAN_FMNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 ID_DATASETS = ("fashion_mnist", "cifar10", "cifar100")
 OFFLINE_OOD_SETS = ("digits", "photo_crops", "gaussian", "uniform")
-ODIN_ARCHIVES = {  # name -> (archive MD5 as pytorch-ood records it, URL from ODIN's README, the paper's name)
-    "Imagenet": ("7c0827e4246c3718a5ee076e999e52e5", "https://www.dropbox.com/s/avgm2u562itwpkl/Imagenet.tar.gz", "TINc"),
-    "Imagenet_resize": ("0f9ff11d45babf2eff5fe12281d1ac31",
-                        "https://www.dropbox.com/s/kp3my3412u5k9rl/Imagenet_resize.tar.gz", "TINr"),
-    "LSUN": ("458a0a0ab8e5f1cb4516d7400568e460", "https://www.dropbox.com/s/fhtsw1m3qxlwj6h/LSUN.tar.gz", "LSUNc"),
-    "LSUN_resize": ("278b7b31c8cb7e804a1465a8ce03a2dc", "https://www.dropbox.com/s/moqh2wh8696c3yl/LSUN_resize.tar.gz",
-                    "LSUNr"),
-    "iSUN": ("be77b0f2c26fda898afac5f99645ee70", "https://www.dropbox.com/s/ssz7qxfqae0cca5/iSUN.tar.gz", "iSUN"),
-}
+# name -> (archive MD5 as pytorch-ood records it, URL from ODIN's README, the paper's name)
+ODIN_ARCHIVES = {name: (md5, f"https://www.dropbox.com/s/{key}/{name}.tar.gz", paper) for name, md5, key, paper in (
+    ("Imagenet", "7c0827e4246c3718a5ee076e999e52e5", "avgm2u562itwpkl", "TINc"),
+    ("Imagenet_resize", "0f9ff11d45babf2eff5fe12281d1ac31", "kp3my3412u5k9rl", "TINr"),
+    ("LSUN", "458a0a0ab8e5f1cb4516d7400568e460", "fhtsw1m3qxlwj6h", "LSUNc"),
+    ("LSUN_resize", "278b7b31c8cb7e804a1465a8ce03a2dc", "moqh2wh8696c3yl", "LSUNr"),
+    ("iSUN", "be77b0f2c26fda898afac5f99645ee70", "ssz7qxfqae0cca5", "iSUN"))}
 OOD_SETS = {"fashion_mnist": OFFLINE_OOD_SETS + ("mnist",), "cifar10": (*ODIN_ARCHIVES, "gaussian", "uniform"),
             "cifar100": (*ODIN_ARCHIVES, "gaussian", "uniform")}
 _IDX = {"train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
@@ -70,12 +66,10 @@ def data_dir() -> Path:
 
 
 def writable(folder: Path) -> bool:
-    """Whether ``folder`` exists or can be made, and a file can be created in it (a probe, then deleted)."""
+    """Whether ``folder`` exists or can be made, and a file can be created in it (a probe, gone when closed)."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        tempfile.TemporaryFile(dir=folder).close()
         return True
     except OSError:
         return False
@@ -131,35 +125,33 @@ def _find(folder: Path, names) -> dict[str, Path] | None:
     return None if None in found.values() else found
 
 
-def _idx_files(cls_name: str, names, debian: Path | None = None) -> tuple[dict[str, Path], str]:
-    """The IDX files of torchvision's ``cls_name`` data set, and the fix to print if one is damaged."""
-    for root in _roots():
-        found = _find(root / cls_name / "raw", names)
-        if found:
-            return found, f"Delete it and put a good copy in {root / cls_name / 'raw'}, or delete it to download it again."
-    if debian is not None and _find(debian, names):
-        return _find(debian, names), "Reinstall the package: `sudo apt-get install --reinstall dataset-fashion-mnist`."
-    import torchvision.datasets
-
-    raw = cache_dir() / cls_name / "raw"
-    try:
-        with tempfile.TemporaryDirectory(prefix=".partial-", dir=cache_dir()) as tmp:
-            getattr(torchvision.datasets, cls_name)(tmp, train=False, download=True)
-            raw.mkdir(parents=True, exist_ok=True)
-            for f in sorted((Path(tmp) / cls_name / "raw").iterdir()):
-                os.replace(f, raw / f.name)  # atomic: a concurrent run sees whole files or none
-    except Exception as err:  # no network, a proxy, a full disk: all end the same way
-        places = [f"{r / cls_name / 'raw'}/ (.gz or extracted)" for r in _roots()]
-        if debian is not None:
-            places.append(f"{debian} (`sudo apt-get install dataset-fashion-mnist`)")
-        raise DataNotFoundError(f"{cls_name} was not found. Looked in: {'; '.join(places)} ($MCD_DATA_DIR = "
-                                f"{os.environ.get('MCD_DATA_DIR') or '(not set)'}); torchvision's download failed "
-                                f"({type(err).__name__}: {err}). Connect to the internet or put the files there.") from err
-    return _find(raw, names), "Delete it to download it again."
-
-
 def _read_split(cls_name: str, split: str, debian: Path | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    files, fix = _idx_files(cls_name, _IDX["train"] + _IDX["test"] if debian else _IDX["test"], debian)
+    """``split`` of torchvision's ``cls_name`` IDX files: in a root's ``<cls_name>/raw``, else in ``debian``, else
+    downloaded. Returns ``x (N, 1, 28, 28)`` in [0, 1], ``y (N,)`` int64; DataNotFoundError names the fix."""
+    names = _IDX["train"] + _IDX["test"] if debian else _IDX["test"]
+    folders = [r / cls_name / "raw" for r in _roots()]
+    places = [(f, f"Delete it and put a good copy in {f}, or delete it to download it again.") for f in folders]
+    if debian:
+        places.append((debian, "Reinstall the package: `sudo apt-get install --reinstall dataset-fashion-mnist`."))
+    files, fix = next(((found, fix) for folder, fix in places if (found := _find(folder, names))), (None, ""))
+    if files is None:
+        import torchvision.datasets
+
+        raw = cache_dir() / cls_name / "raw"
+        try:
+            with tempfile.TemporaryDirectory(prefix=".partial-", dir=cache_dir()) as tmp:
+                getattr(torchvision.datasets, cls_name)(tmp, train=False, download=True)
+                raw.mkdir(parents=True, exist_ok=True)
+                for f in sorted((Path(tmp) / cls_name / "raw").iterdir()):
+                    os.replace(f, raw / f.name)  # atomic: a concurrent run sees whole files or none
+        except Exception as err:  # no network, a proxy, a full disk: all end the same way
+            looked = [f"{f}/ (.gz or extracted)" for f in folders]
+            looked += [f"{debian} (`sudo apt-get install dataset-fashion-mnist`)"] if debian else []
+            raise DataNotFoundError(
+                f"{cls_name} was not found. Looked in: {'; '.join(looked)} ($MCD_DATA_DIR = "
+                f"{os.environ.get('MCD_DATA_DIR') or '(not set)'}); torchvision's download failed "
+                f"({type(err).__name__}: {err}). Connect to the internet or put the files there.") from err
+        files, fix = _find(raw, names), "Delete it to download it again."
     images, labels = (files[n] for n in _IDX[split])
     x, y = read_idx(images, fix), read_idx(labels, fix)
     if x.dim() != 3 or tuple(x.shape[1:]) != (28, 28) or y.dim() != 1 or len(y) != len(x) or (len(y) and y.max() > 9):
@@ -256,11 +248,9 @@ def data_present(id_dataset: str, ood_sets=ODIN_ARCHIVES) -> bool:
 
 def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """An ID set of :data:`ID_DATASETS`: ``x (N, C, H, W)`` normalised, ``y (N,)``. ValueError on another name."""
-    if name == "fashion_mnist":
-        return load_fashion_mnist(train)
-    if name in ("cifar10", "cifar100"):
-        return load_cifar(name, train)
-    raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
+    if name not in ID_DATASETS:
+        raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
+    return load_fashion_mnist(train) if name == "fashion_mnist" else load_cifar(name, train)
 
 
 def odin_noise(name: str, n: int, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
@@ -269,23 +259,8 @@ def odin_noise(name: str, n: int, shape: tuple[int, ...], seed: int = 0) -> torc
     if name not in ("gaussian", "uniform") or n < 1:
         raise ValueError(f"a noise set is gaussian or uniform with n >= 1 samples, got {name!r}, n={n}.")
     g = torch.Generator().manual_seed(seed)
-    if name == "gaussian":
-        return torch.clamp(torch.randn((n, *shape), generator=g) + 0.5, 0.0, 1.0)
-    return torch.rand((n, *shape), generator=g)
-
-
-def _photo_crops(n: int, g: torch.Generator) -> torch.Tensor:
-    from sklearn.datasets import load_sample_images
-    from torchvision.transforms.functional import rgb_to_grayscale
-
-    photos = [rgb_to_grayscale(torch.from_numpy(np.array(img)).permute(2, 0, 1)).float().div_(255.0)
-              for img in load_sample_images().images]  # two (1, 427, 640) grayscale photos
-    crops = []
-    for i in torch.randint(len(photos), (n,), generator=g).tolist():
-        _, h, w = photos[i].shape
-        top, left = int(torch.randint(h - 27, (1,), generator=g)), int(torch.randint(w - 27, (1,), generator=g))
-        crops.append(photos[i][:, top:top + 28, left:left + 28])
-    return torch.stack(crops)  # (n, 1, 28, 28)
+    x = torch.randn((n, *shape), generator=g) if name == "gaussian" else torch.rand((n, *shape), generator=g)
+    return torch.clamp(x + 0.5, 0.0, 1.0) if name == "gaussian" else x
 
 
 def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashion_mnist") -> torch.Tensor:
@@ -304,21 +279,31 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
                          f"{', '.join(OOD_SETS.get(id_dataset, ())) or 'none (unknown ID set)'}.")
     if n < 1:
         raise ValueError(f"an OOD set needs at least one sample, got n={n}.")
-    if id_dataset != "fashion_mnist":
-        return load_odin_folder(name) if name in ODIN_ARCHIVES else normalize_cifar(odin_noise(name, n, (3, 32, 32), seed))
-    if name == "digits":
+    if name in ODIN_ARCHIVES:
+        return load_odin_folder(name)
+    if name in ("gaussian", "uniform"):
+        x = odin_noise(name, n, (1, 28, 28) if id_dataset == "fashion_mnist" else (3, 32, 32), seed)
+    elif name == "digits":
         from sklearn.datasets import load_digits
         from torchvision.transforms.functional import resize
 
         x8 = torch.from_numpy(load_digits().images).float().div_(16.0).unsqueeze(1)  # (1797, 1, 8, 8)
         x = resize(x8, [28, 28], antialias=True).clamp_(0.0, 1.0)
-    elif name == "photo_crops":
-        x = _photo_crops(n, torch.Generator().manual_seed(seed))
-    elif name == "mnist":
+    elif name == "photo_crops":  # windows of scikit-learn's two (1, 427, 640) photos, in grayscale
+        from sklearn.datasets import load_sample_images
+        from torchvision.transforms.functional import rgb_to_grayscale
+
+        photos = [rgb_to_grayscale(torch.from_numpy(np.array(img)).permute(2, 0, 1)).float().div_(255.0)
+                  for img in load_sample_images().images]
+        g, crops = torch.Generator().manual_seed(seed), []
+        for i in torch.randint(len(photos), (n,), generator=g).tolist():
+            _, h, w = photos[i].shape
+            top, left = int(torch.randint(h - 27, (1,), generator=g)), int(torch.randint(w - 27, (1,), generator=g))
+            crops.append(photos[i][:, top:top + 28, left:left + 28])
+        x = torch.stack(crops)  # (n, 1, 28, 28)
+    else:  # mnist
         x = _read_split("MNIST", "test")[0]
-    else:
-        x = odin_noise(name, n, (1, 28, 28), seed)
-    return (x - FMNIST_MEAN) / FMNIST_STD
+    return (x - FMNIST_MEAN) / FMNIST_STD if id_dataset == "fashion_mnist" else normalize_cifar(x)
 
 
 def pixel_std(id_dataset: str):
@@ -338,10 +323,9 @@ def infinite_loader(loader) -> Iterator:
         ValueError: if the loader yields no batch at all (it would loop forever).
     """
     while True:
-        empty = True
-        for batch in loader:
-            empty = False
+        yielded = 0
+        for yielded, batch in enumerate(loader, 1):
             yield batch
-        if empty:
+        if not yielded:
             raise ValueError("infinite_loader got a loader that yields no batches "
                              "(empty data set, or drop_last=True with fewer samples than batch_size).")

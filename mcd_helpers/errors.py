@@ -14,14 +14,10 @@ class ConfigError(ValueError):
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
-        self.field = field
+        self.field, self.flag = field, "--" + field.replace("_", "-")
 
     def __reduce__(self):  # pickled from rank 0 to the other ranks
         return type(self), (self.field, str(self))
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.field.replace("_", "-")
 
 
 class DataNotFoundError(FileNotFoundError):
@@ -45,10 +41,6 @@ class TrainingInterrupted(RuntimeError):
 def exit_code(err: BaseException) -> int:
     """``128 + signal`` when interrupted; 2 for what the user fixes before rerunning (a setting, missing
     data, a folder that cannot be written or is in use); 1 for a failure during the run."""
-    if isinstance(err, TrainingInterrupted):
-        return 128 + err.signal
-    if isinstance(err, KeyboardInterrupt):
-        return 128 + signal.SIGINT
-    if isinstance(err, (ValueError, KeyError, FileNotFoundError, PermissionError)):
-        return 2
-    return 1
+    if isinstance(err, (TrainingInterrupted, KeyboardInterrupt)):
+        return 128 + getattr(err, "signal", signal.SIGINT)  # Ctrl-C without our handler: SIGINT
+    return 2 if isinstance(err, (ValueError, KeyError, FileNotFoundError, PermissionError)) else 1

@@ -47,11 +47,9 @@ def split_rows(output, sizes: Sequence[int]) -> list:
             raise ValueError(f"the model's output {tuple(output.shape)} cannot be split by rows into batches of "
                              f"{tuple(sizes)}: its first axis must be the total batch size {sum(sizes)} (one row "
                              "per input sample).")
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return [output[end - n:end] for n, end in zip(sizes, ends)]  # slices (SliceBackward0 in the graph)
+        return [output[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]  # slices (SliceBackward0)
     if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
-        parts = [split_rows(t, sizes) for t in output]
-        return [tuple(p[i] for p in parts) for i in range(len(sizes))]
+        return list(zip(*(split_rows(t, sizes) for t in output)))  # one tuple (t_1[rows_i], t_2[rows_i], ...) per batch
     raise TypeError(f"the model's output must be a tensor or a flat tuple of tensors, got {type(output).__name__}"
                     + (f" holding a {type(next(t for t in output if not isinstance(t, torch.Tensor))).__name__}"
                        if isinstance(output, (tuple, list)) and output else "") + ".")
@@ -69,8 +67,7 @@ def forward_outputs(model: nn.Module, batches: Sequence[torch.Tensor], strategy:
         return split_rows(model(torch.cat(list(batches))), [len(x) for x in batches])  # (sum N_i, ...) split
     if strategy != "separate":
         raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
-    sources = has_sources(model)
-    outs = []
+    sources, outs = has_sources(model), []
     for i, x in enumerate(batches):
         with use_source(model, i) if sources else contextlib.nullcontext():
             outs.append(model(x))

@@ -15,10 +15,6 @@ from collections import Counter
 import torch
 from torch import nn
 
-DOT_INSTALL_HINT = ("Install Graphviz's `dot` program to render the graph: `sudo apt-get install graphviz` "
-                    "(Debian/Ubuntu), `conda install -c conda-forge graphviz` (conda), `brew install graphviz` "
-                    "(macOS). Meanwhile the DOT source is returned; paste it into any Graphviz viewer.")
-
 
 class GraphTooLargeError(ValueError):
     """The graph has more nodes than a readable drawing can show; the message says how many."""
@@ -26,15 +22,6 @@ class GraphTooLargeError(ValueError):
 
 class GraphvizMissingWarning(UserWarning):
     """Graphviz's ``dot`` is not installed: DOT source returned instead of a picture."""
-
-
-def _import_make_dot():
-    try:
-        from torchviz import make_dot
-    except ImportError as err:  # torchviz itself, or distutils (gone in Python 3.12; setuptools provides it)
-        raise ImportError(f"draw_graph needs torchviz and, on Python >= 3.12, setuptools (for distutils): `pip install "
-                          f"torchviz setuptools` ({err}).") from err
-    return make_dot
 
 
 def graph_nodes(loss) -> list:
@@ -50,14 +37,13 @@ def graph_nodes(loss) -> list:
     if any(t.grad_fn is None for t in losses):
         raise ValueError("this tensor has no autograd graph (grad_fn is None): it was computed under "
                          "torch.no_grad(), from inputs that do not require grad, or it was detached.")
-    seen, order, queue = set(), [], [t.grad_fn for t in losses]
+    order, queue = {}, [t.grad_fn for t in losses]  # order: an insertion-ordered set
     while queue:
         fn = queue.pop(0)
-        if fn is not None and fn not in seen:
-            seen.add(fn)
-            order.append(fn)
+        if fn is not None and fn not in order:
+            order[fn] = None
             queue.extend(nxt for nxt, _ in fn.next_functions)
-    return order
+    return list(order)
 
 
 def graph_stats(loss) -> dict:
@@ -74,12 +60,9 @@ def param_consumers(loss, model: nn.Module) -> dict[str, int]:
     one concatenated forward gives one. Parameters the loss does not reach get 0.
     """
     by_id = {id(p): name for name, p in model.named_parameters()}
-    counts = dict.fromkeys(by_id.values(), 0)
-    for fn in graph_nodes(loss):
-        for nxt, _ in fn.next_functions:
-            if type(nxt).__name__ == "AccumulateGrad" and id(nxt.variable) in by_id:
-                counts[by_id[id(nxt.variable)]] += 1
-    return counts
+    counts = Counter(by_id[id(nxt.variable)] for fn in graph_nodes(loss) for nxt, _ in fn.next_functions
+                     if type(nxt).__name__ == "AccumulateGrad" and id(nxt.variable) in by_id)
+    return {name: counts[name] for name in by_id.values()}
 
 
 def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 150,
@@ -101,18 +84,22 @@ def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 
     """
     n = len(graph_nodes(loss))
     if max_nodes is not None and n > max_nodes:
-        raise GraphTooLargeError(
-            f"the autograd graph of this loss has {n} nodes, more than max_nodes={max_nodes}: drawn, its "
-            "boxes would be too small to read. Call graph_stats(loss) for a count by node type, draw a "
-            "smaller model (e.g. one block, or small_cnn), or pass max_nodes=None to draw it anyway.")
-    make_dot = _import_make_dot()
-    params = dict(model.named_parameters()) if model is not None else None
+        raise GraphTooLargeError(f"the autograd graph of this loss has {n} nodes, more than max_nodes={max_nodes}: "
+                                 "drawn, its boxes would be too small to read. Call graph_stats(loss) for a count by "
+                                 "node type, draw a smaller model (one block, small_cnn), or pass max_nodes=None.")
+    try:
+        from torchviz import make_dot
+    except ImportError as err:  # torchviz itself, or distutils (gone in Python 3.12; setuptools provides it)
+        raise ImportError(f"draw_graph needs torchviz and, on Python >= 3.12, setuptools (for distutils): `pip install "
+                          f"torchviz setuptools` ({err}).") from err
     with warnings.catch_warnings():  # torchviz 0.0.3 compares versions with distutils' LooseVersion
-        warnings.filterwarnings("ignore", message="distutils Version classes are deprecated", category=DeprecationWarning)
-        dot = make_dot(tuple(loss) if isinstance(loss, list) else loss, params=params, show_attrs=show_attrs,
-                       show_saved=show_saved)
+        warnings.filterwarnings("ignore", "distutils Version classes are deprecated", DeprecationWarning)
+        dot = make_dot(tuple(loss) if isinstance(loss, list) else loss, show_attrs=show_attrs, show_saved=show_saved,
+                       params=None if model is None else dict(model.named_parameters()))
     if shutil.which("dot") is None:
-        warnings.warn("Graphviz's `dot` program was not found on PATH. " + DOT_INSTALL_HINT,
+        warnings.warn("Graphviz's `dot` program was not found on PATH. Install it to render the graph: `sudo "
+                      "apt-get install graphviz` (Debian/Ubuntu), `conda install -c conda-forge graphviz` (conda), "
+                      "`brew install graphviz` (macOS). Meanwhile here is the DOT source, for any Graphviz viewer.",
                       GraphvizMissingWarning, stacklevel=2)
         return dot.source
     return dot

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+import IPython.display
 import matplotlib.pyplot as plt
 
 from .forwards import STRATEGIES
@@ -25,11 +26,9 @@ class LivePlot:
         self.margin, self.title, self.handle, self.updates = margin, title, None, 0
 
     def __call__(self, epoch: int, hist) -> None:
-        from IPython.display import display
-
         fig = plot_history(hist, self.margin, f"{self.title} (epoch {epoch + 1}, kept so far {hist.best_epoch + 1})")
         if self.handle is None:
-            self.handle = display(fig, display_id=True)
+            self.handle = IPython.display.display(fig, display_id=True)
         else:
             self.handle.update(fig)
         plt.close(fig)
@@ -58,8 +57,6 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
     Raises:
         ConfigError: a negative margin or ``epochs < 1`` (from the config); ValueError: an unknown strategy.
     """
-    from IPython.display import display
-
     from .pipeline import cache_key, evaluate, run_ood_set
 
     cfg = dataclasses.replace(cfg, margin=margin, finetune_epochs=epochs, strategies=(strategy,))
@@ -75,7 +72,7 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
                                           f"{cfg.id_dataset} (ID) vs {ood} (OOD): discrepancy score"),
                     plot_roc_curves({name: scores[f"mcd:{strategy}" if m == "mcd" else m] for m, name in METHOD_NAMES.items()},
                                     f"ROC: {cfg.id_dataset} vs {ood}")):
-            display(fig)
+            IPython.display.display(fig)
             plt.close(fig)
     return Rerun(cfg, ood, strategy, res.models[strategy], res.histories[strategy], res.rows, scores, before)
 

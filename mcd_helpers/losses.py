@@ -51,10 +51,9 @@ def supervised_loss(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch
         raise ValueError(f"targets must have shape ({n},) to match the logits, got {tuple(targets.shape)}.")
     bad = targets[(targets < 0) | (targets >= k)]
     if len(bad):
-        raise ValueError(f"labels must lie in [0, {k}) for a {k}-class model, got {bad[:5].tolist()} (OOD samples carry "
-                         "no label: keep them out of the supervised loss).")
-    targets = targets.long()  # cross_entropy wants int64
-    return F.cross_entropy(logits1, targets) + F.cross_entropy(logits2, targets)
+        raise ValueError(f"labels must lie in [0, {k}) for a {k}-class model, got {bad[:5].tolist()} (OOD samples "
+                         "carry no label: keep them out of the supervised loss).")
+    return F.cross_entropy(logits1, targets.long()) + F.cross_entropy(logits2, targets.long())  # int64 class indices
 
 
 def discrepancy_loss(logits1: torch.Tensor, logits2: torch.Tensor, margin: float = 1.2) -> torch.Tensor:
@@ -75,8 +74,8 @@ def discrepancy_loss(logits1: torch.Tensor, logits2: torch.Tensor, margin: float
         raise ValueError("discrepancy_loss needs at least one unlabeled sample, got an empty batch.")
     top = torch.finfo(logits1.dtype).max if logits1.dtype.is_floating_point else math.inf
     if not (math.isfinite(margin) and 0 <= margin <= top):
-        raise ValueError(f"margin must be a finite number >= 0 nats within {logits1.dtype} ({top:.4g}), got {margin}; the "
-                         "official margin is 1.2.")
+        raise ValueError(f"margin must be a finite number >= 0 nats within {logits1.dtype} ({top:.4g}), got {margin}; "
+                         "the official margin is 1.2.")
     return torch.clamp(margin - (entropy(logits1) - entropy(logits2)).mean(), min=0)
 
 
@@ -92,11 +91,10 @@ def step_b_objective(outputs, y_sup: torch.Tensor, margin: float = 1.2) -> tuple
     """
     if not (isinstance(outputs, (tuple, list)) and len(outputs) == 2
             and all(isinstance(o, (tuple, list)) and len(o) == 2 for o in outputs)):
-        raise TypeError("Step B needs the model to return (logits1, logits2), the outputs of F1 and F2, for each of the "
-                        f"two batches; got {outputs!r:.80}. Use a two-head model (TwoHeadNet).")
+        raise TypeError("Step B needs the model to return (logits1, logits2), the outputs of F1 and F2, for each of "
+                        f"the two batches; got {outputs!r:.80}. Use a two-head model (TwoHeadNet).")
     (logits1_sup, logits2_sup), (logits1_unsup, logits2_unsup) = outputs
-    ce = supervised_loss(logits1_sup, logits2_sup, y_sup)
-    dis = discrepancy_loss(logits1_unsup, logits2_unsup, margin)
+    ce, dis = supervised_loss(logits1_sup, logits2_sup, y_sup), discrepancy_loss(logits1_unsup, logits2_unsup, margin)
     with torch.no_grad():
         gap = (entropy(logits1_unsup) - entropy(logits2_unsup)).mean()
     return ce + dis, {"ce": ce.detach(), "dis": dis.detach(), "gap": gap}
@@ -115,7 +113,7 @@ def discrepancy_score(logits1: torch.Tensor, logits2: torch.Tensor) -> torch.Ten
 def _temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     check_logits(logits)
     if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature T must be a finite number > 0 (1 = plain softmax; ODIN uses 1000), got {temperature}.")
+        raise ValueError(f"temperature T must be a finite number > 0 (1 = softmax; ODIN uses 1000), got {temperature}.")
     return logits / temperature
 
 

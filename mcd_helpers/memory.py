@@ -45,7 +45,7 @@ class _Packed:
         self.meter._release(self.key)
 
 
-class SavedTensorMeter:
+class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
     """Context manager: ``live_bytes`` and ``peak_bytes`` of the tensors autograd saves inside it.
 
     ``exclude``: tensors whose memory is not counted (parameters, inputs that exist anyway). What was
@@ -60,19 +60,17 @@ class SavedTensorMeter:
         if not all(isinstance(t, torch.Tensor) for t in exclude):
             raise TypeError("exclude must hold tensors (parameters, input batches), e.g. [*model.parameters(), x].")
         self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
-        self._refs: dict[tuple, int] = {}
-        self._bytes: dict[tuple, int] = {}
+        self._refs: dict[tuple, int] = {}  # (storage, offset, bytes, dtype) of the viewed memory -> saved references
         self.live_bytes = self.peak_bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda p: getattr(p, "tensor", p))
+        super().__init__(self._pack, lambda p: getattr(p, "tensor", p))
 
     def _pack(self, t: torch.Tensor):
         storage = t.untyped_storage().data_ptr()
         if storage in self._excluded or t.numel() == 0:
             return t
-        key = (storage, t.storage_offset(), t.numel(), t.dtype)  # the memory it views, not its whole storage
+        key = (storage, t.storage_offset(), t.numel() * t.element_size(), t.dtype)  # the memory viewed, not the storage
         if not self._refs.get(key):
-            self._bytes[key] = t.numel() * t.element_size()
-            self.live_bytes += self._bytes[key]
+            self.live_bytes += key[2]
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         self._refs[key] = self._refs.get(key, 0) + 1
         return _Packed(self, t.detach(), key)  # detached: a saved output holding its grad_fn would be a cycle
@@ -80,15 +78,12 @@ class SavedTensorMeter:
     def _release(self, key: tuple) -> None:
         self._refs[key] -= 1
         if not self._refs[key]:
-            self.live_bytes -= self._bytes.pop(key)
+            self.live_bytes -= key[2]
             del self._refs[key]
 
     def __enter__(self) -> "SavedTensorMeter":
-        self._hooks.__enter__()
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc) -> None:
-        self._hooks.__exit__(*exc)
 
 
 @dataclass
@@ -104,25 +99,25 @@ class StepCost:
     grads: dict = field(repr=False)
 
 
-def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> float:
-    if schedule in ("concat", "separate"):
-        loss = step_b_loss(m, x_sup, y_sup, x_unsup, schedule, margin)[0]
-        loss.backward()
-        return loss.item()
-    def heads(out):
-        if not (isinstance(out, (tuple, list)) and len(out) == 2):
-            raise TypeError(f"the model must return (logits1, logits2), the outputs of F1 and F2; got {type(out).__name__}.")
+def _heads(out):
+    if isinstance(out, (tuple, list)) and len(out) == 2:
         return out
-    parts = (lambda: supervised_loss(*heads(m(x_sup)), y_sup), lambda: discrepancy_loss(*heads(m(x_unsup)), margin))
-    if schedule == "per_part":  # the labeled graph is freed before the unlabeled forward
-        return sum(_backward(part()) for part in parts)
-    losses = [part() for part in parts]  # per_part_late: both graphs built, then freed one by one
-    return sum(_backward(loss) for loss in losses)
+    raise TypeError(f"the model must return (logits1, logits2), the outputs of F1 and F2; got {type(out).__name__}.")
 
 
 def _backward(loss: torch.Tensor) -> float:
     loss.backward()
     return loss.item()
+
+
+def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> float:
+    """One Step B by ``schedule``, its gradient accumulated into ``.grad``; returns its loss (nats)."""
+    if schedule in ("concat", "separate"):
+        return _backward(step_b_loss(m, x_sup, y_sup, x_unsup, schedule, margin)[0])
+    parts = (lambda: supervised_loss(*_heads(m(x_sup)), y_sup), lambda: discrepancy_loss(*_heads(m(x_unsup)), margin))
+    if schedule == "per_part":  # the labeled graph is freed before the unlabeled forward
+        return sum(_backward(part()) for part in parts)
+    return sum(_backward(loss) for loss in [part() for part in parts])  # per_part_late: both graphs built, then freed
 
 
 def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,

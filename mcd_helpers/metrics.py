@@ -51,11 +51,9 @@ def as_scores(scores, name: str = "scores") -> np.ndarray:
 
 
 def _labelled(id_scores, ood_scores) -> tuple[np.ndarray, np.ndarray]:
-    s_id = as_scores(id_scores, "id_scores")
-    s_ood = as_scores(ood_scores, "ood_scores")
-    scores = np.concatenate([s_id, s_ood])
+    s_id, s_ood = as_scores(id_scores, "id_scores"), as_scores(ood_scores, "ood_scores")
     is_id = np.concatenate([np.ones(s_id.size, dtype=int), np.zeros(s_ood.size, dtype=int)])
-    return scores, is_id
+    return np.concatenate([s_id, s_ood]), is_id
 
 
 def roc_points(id_scores: Sequence[float], ood_scores: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -70,8 +68,7 @@ def roc_points(id_scores: Sequence[float], ood_scores: Sequence[float]) -> tuple
     """
     scores, is_id = _labelled(id_scores, ood_scores)
     # ID positive, ranked by -score: "predict ID when -score >= -t" == "score <= t".
-    fpr, tpr, _ = roc_curve(is_id, -scores, drop_intermediate=False)
-    return fpr, tpr
+    return roc_curve(is_id, -scores, drop_intermediate=False)[:2]
 
 
 def ood_metrics(id_scores, ood_scores, tpr_level: float = 0.95) -> dict[str, float]:
@@ -95,13 +92,9 @@ def ood_metrics(id_scores, ood_scores, tpr_level: float = 0.95) -> dict[str, flo
     scores, is_id = _labelled(id_scores, ood_scores)
     n_id = int(is_id.sum())
     fpr, tpr, _ = roc_curve(is_id, -scores, drop_intermediate=False)
-    # Smallest threshold with TPR >= level; compare counts, not rounded fractions.
-    accepted_id = np.rint(tpr * n_id)
-    first = int(np.argmax(accepted_id >= tpr_level * n_id - 1e-9))
-    return {
-        "fpr95": float(fpr[first]),
-        "detection_error": float(np.min(0.5 * (1.0 - tpr) + 0.5 * fpr)),
-        "auroc": float(roc_auc_score(1 - is_id, scores)),  # OOD vs ID ranking, ties count 1/2
-        "aupr_in": float(average_precision_score(is_id, -scores)),
-        "aupr_out": float(average_precision_score(1 - is_id, scores)),
-    }
+    # Smallest threshold with TPR >= level; compare counts of accepted ID samples, not rounded fractions.
+    first = int(np.argmax(np.rint(tpr * n_id) >= tpr_level * n_id - 1e-9))
+    return {"fpr95": float(fpr[first]), "detection_error": float(np.min(0.5 * (1.0 - tpr) + 0.5 * fpr)),
+            "auroc": float(roc_auc_score(1 - is_id, scores)),  # OOD vs ID ranking, ties count 1/2
+            "aupr_in": float(average_precision_score(is_id, -scores)),
+            "aupr_out": float(average_precision_score(1 - is_id, scores))}

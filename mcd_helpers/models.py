@@ -35,12 +35,10 @@ class TwoHeadNet(nn.Module):
         if num_classes < 2 or in_channels < 1:
             raise ValueError(f"num_classes must be >= 2 and in_channels >= 1, got {num_classes} and {in_channels}.")
         self.in_channels, self.min_size, self.num_classes, self.feature_dim = in_channels, min_size, num_classes, feature_dim
-        self.G = features
-        self.F1 = nn.Linear(feature_dim, num_classes)
-        self.F2 = nn.Linear(feature_dim, num_classes)
+        self.G, self.F1, self.F2 = features, nn.Linear(feature_dim, num_classes), nn.Linear(feature_dim, num_classes)
 
-    def check_input(self, x: torch.Tensor) -> None:
-        """Raise ``ValueError`` (``TypeError`` for a non-tensor) with a fix unless ``x`` fits the model."""
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """G(x): ``(N, C, H, W)`` -> ``(N, D)``; ``TypeError``/``ValueError`` with the fix when ``x`` does not fit."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"expected a torch.Tensor of shape (N, C, H, W), got {type(x).__name__}.")
         param = next(self.parameters())
@@ -57,10 +55,6 @@ class TwoHeadNet(nn.Module):
                    if x.shape[1] != self.in_channels else "")
         if problem:
             raise ValueError(problem + ".")
-
-    def features(self, x: torch.Tensor) -> torch.Tensor:
-        """G(x): ``(N, C, H, W)`` -> ``(N, D)``."""
-        self.check_input(x)
         return self.G(x)
 
     def forward(self, x: torch.Tensor, detach_f2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,13 +85,12 @@ def small_cnn(in_channels: int = 1, num_classes: int = 10, norm: str = "batch", 
     if norm == "group" and any(c % min(8, c) for c in (width, 2 * width, 4 * width)):
         raise ValueError(f"with norm='group' the widths must split into min(8, channels) groups: use a width of 1, 2, 4 "
                          f"or a multiple of 8, got {width}.")
-    layers, c = [], in_channels
-    for w in (width, 2 * width, 4 * width):
-        layer_norm = {"batch": nn.BatchNorm2d, "group": lambda w: nn.GroupNorm(min(8, w), w), "none": lambda w: nn.Identity()}
+    layer_norm = {"batch": nn.BatchNorm2d, "group": lambda w: nn.GroupNorm(min(8, w), w), "none": lambda w: nn.Identity()}
+    layers = []
+    for c, w in zip((in_channels, width, 2 * width), (width, 2 * width, 4 * width)):
         layers += [nn.Conv2d(c, w, 3, padding=1, bias=norm == "none"), layer_norm[norm](w), nn.ReLU(inplace=True),
                    nn.MaxPool2d(2)]
-        c = w
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 128), nn.ReLU(inplace=True)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(w, 128), nn.ReLU(inplace=True)]
     layers += [nn.Dropout(dropout)] if dropout > 0 else []
     return TwoHeadNet(nn.Sequential(*layers), 128, num_classes, in_channels, min_size=8)  # 3 max-pools
 
@@ -141,10 +134,8 @@ class _WideBasic(nn.Module):
 
     def __init__(self, c_in: int, c_out: int, stride: int):
         super().__init__()
-        self.bn1 = nn.BatchNorm2d(c_in)
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn1, self.conv1 = nn.BatchNorm2d(c_in), nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn2, self.conv2 = nn.BatchNorm2d(c_out), nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.shortcut = nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False) if stride != 1 or c_in != c_out else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,8 +149,7 @@ def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
 
     Shapes: ``(N, in_channels, 32, 32)`` -> two ``(N, num_classes)``.
     """
-    layers: list[nn.Module] = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)]
-    c_in = 16
+    layers, c_in = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)], 16
     for width, stride in ((160, 1), (320, 2), (640, 2)):  # 16 x widen 10, 32 x 10, 64 x 10
         for i in range(4):  # (depth - 4) / 6 blocks per group
             layers.append(_WideBasic(c_in, width, stride if i == 0 else 1))

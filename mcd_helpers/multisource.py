@@ -65,8 +65,8 @@ def source_net(norm: str = "batch", dim: int = 8, hidden: int = 32, num_sources:
     """
     if norm not in SOURCE_NORMS:
         raise ValueError(f"norm must be one of {SOURCE_NORMS}, got {norm!r}.")
-    layer = {"group": lambda: nn.GroupNorm(4, hidden), "layer": lambda: nn.LayerNorm(hidden),
-             "none": nn.Identity}.get(norm, lambda: nn.BatchNorm1d(hidden, track_running_stats=norm != "no_running_stats"))
+    layer = {"group": lambda: nn.GroupNorm(4, hidden), "layer": lambda: nn.LayerNorm(hidden), "none": nn.Identity}.get(
+        norm, lambda: nn.BatchNorm1d(hidden, track_running_stats=norm != "no_running_stats"))
     net = nn.Sequential(nn.Linear(dim, hidden), layer(), nn.ReLU(), nn.Linear(hidden, hidden), layer(), nn.ReLU(),
                         nn.Linear(hidden, 2))
     return per_source_batchnorm(net, num_sources) if norm == "per_source" else net
@@ -109,6 +109,11 @@ class SourcesResult:
     losses: list[float] = field(repr=False)
 
 
+def _train_mode(model: nn.Module, norm: str) -> nn.Module:
+    """``model.train()``; with the ``"frozen"`` norm its BatchNorm stays in eval mode."""
+    return freeze_bn(model.train()) if norm == "frozen" else model.train()
+
+
 def _accuracies(model: nn.Module, test: list) -> list[float]:
     outs = layout_forward(model, [x for x, _ in test], "separate")  # each source alone (its own statistics)
     return [float((o.argmax(1) == y).float().mean()) for o, (_, y) in zip(outs, test)]
@@ -130,12 +135,9 @@ def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 20
     train = make_domains(min(steps * batch, 8192), num_sources, shift=shift, seed=seed)
     test = make_domains(1000, num_sources, shift=shift, seed=seed + 10_000)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    g = torch.Generator().manual_seed(seed)
-    losses = []
+    g, losses = torch.Generator().manual_seed(seed), []
     for _ in range(steps):
-        model.train()
-        if norm == "frozen":
-            freeze_bn(model)
+        _train_mode(model, norm)
         idx = [torch.randint(len(x), (batch,), generator=g) for x, _ in train]
         outs = layout_forward(model, [x[i] for (x, _), i in zip(train, idx)], layout, g)
         loss = sum(F.cross_entropy(o, y[i]) for o, (_, y), i in zip(outs, train, idx)) / num_sources
@@ -147,8 +149,5 @@ def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 20
         recalibrate_bn(model, train[0][0], batch_size=batch)
     with torch.no_grad():
         eval_acc = _accuracies(model.eval(), test)
-        probe = copy.deepcopy(model).train()  # train-mode statistics of a pure batch of each source
-        if norm == "frozen":
-            freeze_bn(probe)
-        train_acc = _accuracies(probe, test)
+        train_acc = _accuracies(_train_mode(copy.deepcopy(model), norm), test)  # train-mode statistics of a pure batch
     return SourcesResult(layout, norm, eval_acc, train_acc, losses)

@@ -40,8 +40,7 @@ class PerSourceBatchNorm(nn.Module):
         if num_sources < 1:
             raise ValueError(f"num_sources must be >= 1, got {num_sources}.")
         self.num_features, self.num_sources, self.eps, self.momentum = num_features, num_sources, eps, momentum
-        self.weight = nn.Parameter(torch.ones(num_features))
-        self.bias = nn.Parameter(torch.zeros(num_features))
+        self.weight, self.bias = nn.Parameter(torch.ones(num_features)), nn.Parameter(torch.zeros(num_features))
         self.register_buffer("running_mean", torch.zeros(num_sources, num_features))
         self.register_buffer("running_var", torch.ones(num_sources, num_features))
         self.register_buffer("num_batches_tracked", torch.zeros(num_sources, dtype=torch.long))
@@ -58,10 +57,9 @@ class PerSourceBatchNorm(nn.Module):
             raise ValueError(f"{bn} cannot get per-source statistics: it needs affine=True and "
                              "track_running_stats=True (without running statistics there is nothing per source).")
         new = cls(bn.num_features, num_sources, bn.eps, bn.momentum).to(bn.weight.device, bn.weight.dtype)
+        stats = {k: getattr(bn, k) for k in ("running_mean", "running_var", "num_batches_tracked")}  # (C,), (C,), ()
         new.load_state_dict({"weight": bn.weight, "bias": bn.bias,
-                             "running_mean": bn.running_mean.expand(num_sources, -1),
-                             "running_var": bn.running_var.expand(num_sources, -1),
-                             "num_batches_tracked": bn.num_batches_tracked.expand(num_sources)})
+                             **{k: v.expand(num_sources, *v.shape) for k, v in stats.items()}})  # a row per source
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,9 +157,8 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
                 m.reset_running_stats()
         model.train()
         with use_source(model, 0) if has_sources(model) else contextlib.nullcontext():
-            for chunk in x.split(batch_size):
-                if len(chunk) > 1:
-                    model(chunk)
+            for chunk in [c for c in x.split(batch_size) if len(c) > 1]:
+                model(chunk)
     except BaseException:
         for m, state in zip(layers, saved):
             m.load_state_dict(state)

@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -44,7 +43,7 @@ METHODS = ("msp", "odin", "energy", "mcd")  # the baselines score the pre-traine
 RECALIBRATION_IMAGES = 10_000  # strategy "recalibrate": BatchNorm statistics from the first 10,000 labeled images
 
 
-@dataclass
+@dataclasses.dataclass
 class Data:
     """A run's ID images ``x_* (N, C, H, W)`` (normalised) and labels ``y_* (N,)``."""
     x_train: torch.Tensor
@@ -124,10 +123,9 @@ def cached(cfg, stage: str, compute: Callable[[], dict], retrain: bool | set = F
     if found is not None:
         try:
             state = {**load_state(found), "loaded_from": str(found)}
-        except RuntimeError as err:
-            log(f"{err} Computing it again.")
-        else:
             log(f"{stage}: loaded from the cache, {found} (--retrain computes it again)")
+        except RuntimeError as err:  # unreadable (load_state's message names the file)
+            log(f"{err} Computing it again.")
     if state is None:
         state = compute()
         if ddp.is_main():
@@ -186,11 +184,6 @@ def selected_epoch(hist: History, selection: str, upto: int | None = None) -> in
     return upto if selection == "last-epoch" else max(range(upto + 1), key=lambda i: (hist.val_auroc[i], -i))
 
 
-def trained_as(strategy: str) -> str:
-    """The strategy a model is trained with: ``recalibrate`` is ``separate``'s training, recalibrated afterwards."""
-    return "separate" if strategy == "recalibrate" else check_strategy(strategy)
-
-
 def finetuned(cfg, base: nn.Module, split: Split, ood: str, strategy: str, retrain: bool | set = False,
               progress: bool = True, log=print, on_epoch: Callable | None = None, checkpoint_dir: Path | None = None,
               resume: bool = False) -> tuple[nn.Module, History, float]:
@@ -205,7 +198,7 @@ def finetuned(cfg, base: nn.Module, split: Split, ood: str, strategy: str, retra
     Returns:
         ``(model on cfg.device, history with best_epoch the selected epoch, training seconds)``.
     """
-    trained = trained_as(strategy)
+    trained = "separate" if strategy == "recalibrate" else check_strategy(strategy)  # recalibrated after separate's run
     ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / f"mcd-{ood}-{trained}.pt"
 
     def shown(epoch: int, h: History) -> None:  # the live view marks the epoch the selection would keep
@@ -217,7 +210,7 @@ def finetuned(cfg, base: nn.Module, split: Split, ood: str, strategy: str, retra
         model, t0 = per_source_batchnorm(base) if trained == "split-bn" else copy.deepcopy(base), time.time()
         out = _fit(cfg, model, split, trained, ckpt, resume, cache_key(cfg, "finetune", ood=ood, strategy=trained),
                    progress, shown if on_epoch else None)
-        return {"best": {k: v.cpu() for k, v in out["best"].items()}, "last": {k: v.cpu() for k, v in out["last"].items()},
+        return {**{w: {k: v.cpu() for k, v in out[w].items()} for w in ("best", "last")},
                 "history": dataclasses.asdict(out["history"]), "seconds": round(time.time() - t0, 1)}
 
     state = cached(cfg, "finetune", compute, retrain, log, ckpt, ood=ood, strategy=trained)
@@ -256,31 +249,29 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, oo
         return [ddp.gather(lambda t: predict_logits(model, t, cfg.eval_batch_size, cfg.device), x)
                 for x in (split.test_id_x, split.test_ood_x)]
 
-    def row(method: str, strategy, scores, l1_id, **extra) -> dict:
-        acc = float((l1_id.argmax(1) == split.test_id_y).float().mean())
-        return {**common, "method": method, "strategy": strategy, **ood_metrics(*scores), "id_accuracy": acc, **extra}
+    def add(method: str, strategy, scores: tuple, l1_id, **extra) -> None:  # a row, its scores under its name
+        out[method if strategy is None else f"mcd:{strategy}"] = scores
+        rows.append({**common, "method": method, "strategy": strategy, **ood_metrics(*scores),
+                     "id_accuracy": float((l1_id.argmax(1) == split.test_id_y).float().mean()), **extra})
 
     (l1_id, _), (l1_ood, _) = heads(base)  # (N, K) each
     rows, out = [], {}
     for m in (m for m in METHODS[:3] if m in methods):
-        extra = {}
         if m == "odin":
             kw = dict(pixel_std=pixel_std(cfg.id_dataset), batch_size=cfg.eval_batch_size, device=cfg.device)
             t, eps = (tune_odin(base, split.val_id_x, split.val_ood_x, cfg.odin_temperatures, cfg.odin_epsilons, **kw)[:2]
                       if cfg.selection == "ood-labels" else (1000.0, 0.0014))
-            out[m], extra = tuple(odin_scores(base, x, t, [eps], **kw)[0] for x in (split.test_id_x, split.test_ood_x)), \
-                {"odin_temperature": t, "odin_epsilon": eps}
+            add(m, None, tuple(odin_scores(base, x, t, [eps], **kw)[0] for x in (split.test_id_x, split.test_ood_x)),
+                l1_id, odin_temperature=t, odin_epsilon=eps)
         else:
-            out[m] = tuple((msp_score if m == "msp" else energy_score)(x) for x in (l1_id, l1_ood))
-        rows.append(row(m, None, out[m], l1_id, **extra))
+            add(m, None, tuple((msp_score if m == "msp" else energy_score)(x) for x in (l1_id, l1_ood)), l1_id)
     for strategy, model in (tuned.items() if "mcd" in methods else ()):
         (t1_id, t2_id), (t1_ood, t2_ood) = heads(model)
-        out[f"mcd:{strategy}"] = discrepancy_score(t1_id, t2_id), discrepancy_score(t1_ood, t2_ood)
-        rows.append(row("mcd", strategy, out[f"mcd:{strategy}"], t1_id))
+        add("mcd", strategy, (discrepancy_score(t1_id, t2_id), discrepancy_score(t1_ood, t2_ood)), t1_id)
     return rows, out
 
 
-@dataclass
+@dataclasses.dataclass
 class Result:
     """What :func:`run_ood_set` gives: ``rows`` of every selection (MCD rows also carry the selected epoch's
     ``val_auroc``, ``selected_epoch`` and ``finetune_seconds``) and each row's ``(id_scores, ood_scores)`` in

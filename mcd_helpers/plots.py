@@ -22,6 +22,13 @@ def protocol_order(protocols) -> list[str]:
     return sorted(set(protocols), key=lambda p: (PROTOCOLS.index(p) if p in PROTOCOLS else len(PROTOCOLS), p))
 
 
+def _finish(fig, title: str, rect=None, **suptitle_kwargs):
+    """``fig`` with its ``suptitle`` and a tight layout (within ``rect``, figure fractions, when given)."""
+    fig.suptitle(title, **suptitle_kwargs)
+    fig.tight_layout(rect=rect)
+    return fig
+
+
 def plot_score_histograms(panels: Mapping[str, tuple], title: str = "", bins: int = 50):
     """One panel per ``{label: (id_scores, ood_scores)}``: ID vs OOD score densities (higher = more OOD)."""
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
@@ -33,9 +40,7 @@ def plot_score_histograms(panels: Mapping[str, tuple], title: str = "", bins: in
         ax.set(title=f"{label}\nAUROC {100 * ood_metrics(s_id, s_ood)['auroc']:.2f}%",
                xlabel="OOD score (higher = more OOD)", ylabel="density")
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def plot_roc_curves(curves: Mapping[str, tuple], title: str = ""):
@@ -72,9 +77,7 @@ def plot_history(hist, margin: float | None = None, title: str = ""):
     ax3.set(title="Model selection", xlabel="epoch", ylabel="AUROC (%)", xticks=epochs)
     for ax in (ax1, ax2, ax3):
         ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title)
 
 
 def plot_extremes(x_id: torch.Tensor, x_ood: torch.Tensor, s_id, s_ood, mean, std, k: int = 8, title: str = ""):
@@ -84,12 +87,10 @@ def plot_extremes(x_id: torch.Tensor, x_ood: torch.Tensor, s_id, s_ood, mean, st
     Raises:
         ValueError: ``k`` outside [1, number of images], or not one score per image.
     """
-    x = torch.cat([x_id, x_ood])
-    s = torch.cat([torch.as_tensor(s_id), torch.as_tensor(s_ood)]).double()
+    x, s = torch.cat([x_id, x_ood]), torch.cat([torch.as_tensor(s_id), torch.as_tensor(s_ood)]).double()
     if len(s) != len(x) or not 1 <= k <= len(x):
         raise ValueError(f"{len(x)} images and {len(s)} scores: pass one score per image and k in [1, {len(x)}], got k={k}.")
-    is_ood = torch.arange(len(x)) >= len(x_id)
-    order = torch.argsort(s, descending=True, stable=True)
+    is_ood, order = torch.arange(len(x)) >= len(x_id), torch.argsort(s, descending=True, stable=True)
     m, sd = (torch.as_tensor(v, dtype=x.dtype).view(-1, 1, 1) for v in (mean, std))
     fig, axes = plt.subplots(2, k, figsize=(1.15 * k + 0.6, 3.4), squeeze=False)  # about 1.15 inches an image
     for row, (idx, label) in enumerate(((order[:k], "most OOD"), (order.flip(0)[:k], "least OOD"))):
@@ -98,11 +99,10 @@ def plot_extremes(x_id: torch.Tensor, x_ood: torch.Tensor, s_id, s_ood, mean, st
             ax.imshow((img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)).numpy(), cmap="gray", vmin=0, vmax=1)
             ax.set_title(f"{'OOD' if is_ood[i] else 'ID'} {s[i]:.2f}", fontsize=12, fontweight="bold",
                          color="C3" if is_ood[i] else "C2")
-            ax.set_xticks([]), ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
         axes[row][0].set_ylabel(label, fontsize=12)
-    fig.suptitle(title or "Test images scored most (top) and least (bottom) OOD; above each: origin, score", fontsize=13)
-    fig.tight_layout()
-    return fig
+    return _finish(fig, title or "Test images scored most (top) and least (bottom) OOD; above each: origin, score",
+                   fontsize=13)
 
 
 def _varying(entries: Sequence[dict], keys: Sequence[str]) -> list[str]:
@@ -166,6 +166,5 @@ def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):
         ax.set_visible(False)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(series), 4), fontsize=8, title=" / ".join(series_keys))
-    fig.suptitle(f"{NAMES.get(metric, metric)} by protocol: mean and 95% CI over seeds")
-    fig.tight_layout(rect=(0, 0.06 + 0.04 * ((len(series) - 1) // 4) + 0.12 / nrows, 1, 1))
-    return fig
+    return _finish(fig, f"{NAMES.get(metric, metric)} by protocol: mean and 95% CI over seeds",
+                   rect=(0, 0.06 + 0.04 * ((len(series) - 1) // 4) + 0.12 / nrows, 1, 1))  # room for the legend

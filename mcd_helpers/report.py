@@ -62,9 +62,8 @@ def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = ("msp", "odi
             cells += ["–" if m not in by else f"**{100 * top:.2f}**" if by[m][key] == top else f"{100 * by[m][key]:.2f}"
                       for m in methods]
         lines.append(cells + [f"{100 * by[m]['id_accuracy']:.2f}" if m in by else "–" for m in ("msp", "mcd")])
-    names = {"msp": "MSP", "odin": "ODIN", "energy": "energy", "mcd": "MCD"}
-    header = ["OOD set", *(f"{k} {names[m]}" for k in ("AUROC", "FPR95") for m in methods), "ID acc. pre-trained",
-              "ID acc. MCD"]
+    header = ["OOD set", *(f"{k} {m if m == 'energy' else m.upper()}" for k in ("AUROC", "FPR95") for m in methods),
+              "ID acc. pre-trained", "ID acc. MCD"]
     return (markdown_table(header, lines, "l" + "r" * (len(header) - 1)) + "\n\nAll numbers in %. AUROC: higher is "
             "better; FPR95 (OOD accepted at 95% ID accepted): lower is better.")
 
@@ -108,8 +107,7 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
     seed (and split) of the same method, network and strategy (``arm``; ``"-"`` for baselines), all else equal."""
     if field not in ("protocol", "selection"):
         raise ValueError(f"field must be 'protocol' or 'selection', got {field!r}.")
-    keys = ("task", "class_split", "selection" if field == "protocol" else "protocol", "method", "ood_dataset", "norm",
-            "arm")
+    keys = tuple(k for k in KEYS if k != field) + ("arm",)
     mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows
             if r["task"] == task and r[field] in (a, b)]
     return _with_pooled(mine, lambda rs: paired_differences(rs, a, b, metric, keys))
@@ -191,6 +189,5 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
         if forest_entries(paired):
             save("forest.png", forest_plot(forest_entries(paired), "auroc", "MCD, held-out classes: paired AUROC "
                                                                            "differences (same seed)"))
-        first = summary[0]["selection"]
         save("by_protocol.png", plot_by_protocol([{**g, "method": method_label(g), "strategy": ""} for g in summary
-                                                  if g["selection"] == first], "auroc"))
+                                                  if g["selection"] == summary[0]["selection"]], "auroc"))

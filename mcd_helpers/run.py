@@ -41,14 +41,6 @@ def _read_run(out: Path) -> dict:
         return {}
 
 
-def unfinished_work(out: Path) -> list[Path]:
-    """What an unfinished run left in ``out``: stage checkpoints always; finished benchmark cells unless
-    ``run.json`` says the run finished."""
-    out = Path(out)
-    left = sorted(out.glob("checkpoints/**/*.pt"))
-    return left if _read_run(out).get("status") == "finished" else left + sorted(out.glob("cells/*.json"))
-
-
 @contextlib.contextmanager
 def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool = False, quiet: bool = False):
     """Lock ``out`` for this run, refuse to bury unfinished work, keep ``run.json``; yields a dict whose
@@ -73,7 +65,9 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         except Timeout:
             raise ConfigError("out", f"another run (PID {_read_run(out).get('pid', '?')}) is using --out {out}: one run "
                                      "at a time per folder. Wait for it, or choose another --out.") from None
-        left = unfinished_work(out)
+        # what an unfinished run left: stage checkpoints always, finished benchmark cells unless the run finished
+        left = sorted(out.glob("checkpoints/**/*.pt"))
+        left += [] if _read_run(out).get("status") == "finished" else sorted(out.glob("cells/*.json"))
         if left and not resume and not fresh:
             lock.release()
             shown = ", ".join(str(p.relative_to(out)) for p in left[:4]) + (" ..." if len(left) > 4 else "")
@@ -83,8 +77,8 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         if fresh:
             if left and not quiet:
                 print(f"--fresh: deleting the earlier run's checkpoints, cells and results in {out}", flush=True)
-            for path in [out / "checkpoints", out / "cells", out / "scores", *map(out.joinpath, OUTPUTS), out / "run.json",
-                         *out.glob("hist_*.png"), *out.glob("roc_*.png")]:
+            for path in [out / "checkpoints", out / "cells", out / "scores", *map(out.joinpath, OUTPUTS),
+                         out / "run.json", *out.glob("hist_*.png"), *out.glob("roc_*.png")]:
                 shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
         write_json(out / "run.json", {"status": "running", "pid": os.getpid(), "resumed": resume,
                                       "started": datetime.datetime.now().isoformat(timespec="seconds"), **settings})
@@ -110,21 +104,11 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
 
 def check_split(cfg, split, name: str) -> None:
     """Raise ConfigError (naming the flag) when a batch size is larger than the set it is drawn from."""
-    for field, batch, n in (("pretrain_batch_size", cfg.pretrain_batch_size, len(split.x_sup)),
-                            ("batch_size_sup", cfg.batch_size_sup, len(split.x_sup)),
-                            ("batch_size_unsup", cfg.batch_size_unsup, len(split.x_unsup))):
-        if batch > n:
-            raise ConfigError(field, f"{field}={batch} is larger than the {n} {'unlabeled' if 'unsup' in field else 'labeled'} "
-                                     f"images of {name} (train_subset={cfg.train_subset}, n_val={cfg.n_val}).")
-
-
-def _check_device(device: str) -> None:
-    kind = torch.device(device).type
-    ok = {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
-          "mps": torch.backends.mps.is_available()}.get(kind, False)
-    if not ok:
-        raise ConfigError("device", f"device={device!r}, but PyTorch sees no such device here; run with --device cpu "
-                                    "(the paper presets default to cuda).")
+    sup, unsup = (len(split.x_sup), "labeled"), (len(split.x_unsup), "unlabeled")
+    for field, (n, kind) in (("pretrain_batch_size", sup), ("batch_size_sup", sup), ("batch_size_unsup", unsup)):
+        if getattr(cfg, field) > n:
+            raise ConfigError(field, f"{field}={getattr(cfg, field)} is larger than the {n} {kind} images of {name} "
+                                     f"(train_subset={cfg.train_subset}, n_val={cfg.n_val}).")
 
 
 def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progress: bool = True, quiet: bool = False,
@@ -144,7 +128,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
             checkpoint is unreadable. FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
     """
     cfg.check_ood_sets()
-    _check_device(cfg.device)
+    if not {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+            "mps": torch.backends.mps.is_available()}.get(torch.device(cfg.device).type, False):
+        raise ConfigError("device", f"device={cfg.device!r}, but PyTorch sees no such device here; run with "
+                                    "--device cpu (the paper presets default to cuda).")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     cfg = dataclasses.replace(cfg, device=ddp.setup(cfg.device))
@@ -161,11 +148,9 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
             try:
                 res = run_ood_set(cfg, data, ood, retrain=retrained, progress=progress and not quiet, log=log,
                                   checkpoint_dir=out / "checkpoints", resume=resume)
-            except (TrainingInterrupted, ConfigError, KeyboardInterrupt, FloatingPointError, RuntimeError):
-                raise  # the run cannot go on: resume, or fix the setting, then rerun
             except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
-                if ddp.world()[1] > 1:
-                    raise  # the ranks may be out of step: stop them all
+                if isinstance(err, (ConfigError, FloatingPointError, RuntimeError)) or ddp.world()[1] > 1:
+                    raise  # the run cannot go on (resume, or fix the setting), or the ranks may be out of step
                 failures[ood] = f"{type(err).__name__}: {err}"
                 if log:
                     log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
@@ -181,10 +166,9 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         if ddp.is_main():
             from .report import results_markdown
 
-            blobs = {"config.json": json.dumps(cfg.to_dict(), indent=2) + "\n",
-                     "results.json": json.dumps(rows, indent=2, allow_nan=False) + "\n",
-                     "results.md": results_markdown(rows, failures)}  # all rendered first, then written
-            for name, text in blobs.items():
+            for name, text in {"config.json": json.dumps(cfg.to_dict(), indent=2) + "\n",  # all rendered, then written
+                               "results.json": json.dumps(rows, indent=2, allow_nan=False) + "\n",
+                               "results.md": results_markdown(rows, failures)}.items():
                 atomic_write(out / name, text)
         info.update(status="partial" if failures else "finished", failures=failures)
     if failures:

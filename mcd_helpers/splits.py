@@ -49,8 +49,8 @@ class Split:
     test_ood_x: torch.Tensor
 
 
-def _perm(n: int, seed: int) -> torch.Tensor:
-    return torch.from_numpy(np.random.RandomState(seed).permutation(n))  # a fresh generator per set, as the official loader
+def _perm(n: int, seed: int) -> torch.Tensor:  # a fresh generator per set, as the official loader
+    return torch.from_numpy(np.random.RandomState(seed).permutation(n))
 
 
 def transductive_split(x_sup: torch.Tensor, y_sup: torch.Tensor, id_x: torch.Tensor, id_y: torch.Tensor,
@@ -86,15 +86,14 @@ def class_split(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     if name in CLASS_SPLITS:
         return CLASS_SPLITS[name]
     known = "; ".join(f"{k!r}: ID {list(i)} OOD {list(o)}" for k, (i, o) in CLASS_SPLITS.items())
-    classes = ", ".join(f"{c} {n}" for c, n in enumerate(FMNIST_CLASSES))
     parts = name.split("/") if isinstance(name, str) else []
     if len(parts) != 2 or not all(p.isdigit() for p in parts):
         raise ConfigError("class_split", f"unknown class split {name!r}; give a known name or the ID and OOD class "
                                          f"digits as 'IDS/OODS' (e.g. '012345/6789'). Known splits: {known}.")
     id_c, ood_c = (tuple(int(c) for c in p) for p in parts)
-    if len(set(id_c)) < len(id_c) or len(set(ood_c)) < len(ood_c) or set(id_c) & set(ood_c):
+    if len(set(id_c + ood_c)) < len(id_c + ood_c):  # a class twice on one side or on both
         raise ConfigError("class_split", f"class split {name!r} lists a class twice or on both sides; valid classes "
-                                         f"are {classes}.")
+                                         f"are {', '.join(f'{c} {n}' for c, n in enumerate(FMNIST_CLASSES))}.")
     return id_c, ood_c
 
 

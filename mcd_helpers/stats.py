@@ -32,9 +32,16 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
     bad = np.flatnonzero(~np.isfinite(x))
     if bad.size:
         raise ValueError(f"values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a failed run upstream.")
-    half = float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
-    return {"mean": float(x.mean()), "low": float(x.mean()) - half, "high": float(x.mean()) + half,
-            "half_width": half, "n": int(x.size)}
+    m, half = float(x.mean()), float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+    return {"mean": m, "low": m - half, "high": m + half, "half_width": half, "n": int(x.size)}
+
+
+def _ci_in(where: str, values, confidence: float) -> dict:
+    """:func:`mean_ci` of ``values``, its ValueError prefixed with ``where`` (the group)."""
+    try:
+        return mean_ci(values, confidence)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
 
 
 def _groups(rows: Sequence[dict], keys: Sequence[str], metric: str) -> dict[tuple, list[tuple]]:
@@ -55,11 +62,8 @@ def summarize(rows: Sequence[dict], metrics: Sequence[str] = ("auroc", "fpr95", 
     groups = {}
     for metric in metrics:
         for key, members in _groups(rows, keys, metric).items():
-            try:
-                groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = mean_ci(
-                    [v for _, _, v in members], confidence)
-            except ValueError as err:
-                raise ValueError(f"group {dict(zip(keys, key))}, {metric}: {err}") from None
+            groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = _ci_in(
+                f"group {dict(zip(keys, key))}, {metric}", [v for _, _, v in members], confidence)
     return list(groups.values())
 
 
@@ -89,10 +93,7 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
                              "for one strategy; pairs need the same seeds for both.")
         seeds = sorted(by[a])
         xa, xb = np.array([by[a][s] for s in seeds]), np.array([by[b][s] for s in seeds])
-        try:
-            ci = mean_ci(xa - xb, confidence)
-        except ValueError as err:
-            raise ValueError(f"group {dict(zip(keys, key))}: {err}") from None
+        ci = _ci_in(f"group {dict(zip(keys, key))}", xa - xb, confidence)
         p = float("nan") if np.all(xa - xb == (xa - xb)[0]) else float(stats.ttest_rel(xa, xb).pvalue)
         out.append({**dict(zip(keys, key)), "metric": metric, "a": a, "b": b, "seeds": seeds,
                     "diffs": (xa - xb).tolist(), **ci, "p_value": p})

@@ -18,12 +18,11 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import random
 import signal
 import threading
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -117,16 +116,14 @@ class History:
 def _stop_signals(enabled: bool):
     """A dict whose ``"signal"`` becomes the number of a SIGTERM or SIGINT that arrives (main thread only)."""
     flag = {"signal": 0}
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield flag
-        return
 
     def handler(signum, frame):
         flag["signal"] = signum
         if signum == signal.SIGINT:  # the next Ctrl-C stops at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)}
+    enabled = enabled and threading.current_thread() is threading.main_thread()
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGTERM, signal.SIGINT)} if enabled else {}
     try:
         yield flag
     finally:
@@ -169,14 +166,11 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     """
     fine = strategy is not None
     net = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
-    net.to(cfg.device).train()
-    if cfg.channels_last:
-        net.to(memory_format=torch.channels_last)
+    net.to(cfg.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format).train()
     if cfg.compile and getattr(net, "_compiled_call_impl", None) is None:  # nn.Module.compile keeps the state_dict keys
         net.compile(dynamic=False)  # one graph per batch shape, each compiled once
-    prefix = "finetune" if fine else "pretrain"
-    lr, momentum, decay = (getattr(cfg, f"{prefix}_{k}") for k in ("lr", "momentum", "weight_decay"))
-    opt = torch.optim.SGD(net.parameters(), lr=lr, momentum=momentum, weight_decay=decay)
+    prefix = "finetune_" if fine else "pretrain_"
+    opt = torch.optim.SGD(net.parameters(), **{k: getattr(cfg, prefix + k) for k in ("lr", "momentum", "weight_decay")})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [] if fine else list(cfg.pretrain_milestones), gamma=0.1)
     place = (lambda t: t.to(cfg.device)) if cfg.data_on_device else (lambda t: t)
     x_sup, y_sup, x_unsup = place(split.x_sup), place(split.y_sup), place(split.x_unsup)
@@ -190,7 +184,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     names = ("ce", "dis", "gap") + (("step_a",) if official else ()) if fine else ("ce",)
     stage = f"fine-tuning ({check_strategy(strategy)})" if fine else "pre-training"
     autocast = lambda: torch.autocast(torch.device(cfg.device).type, torch.bfloat16, enabled=cfg.amp == "bf16")  # noqa: E731
-    state = {"stage": stage, "key": key, "epoch": 0, "step": 0, "history": dataclasses.asdict(History()),
+    state = {"stage": stage, "key": key, "epoch": 0, "step": 0, "history": asdict(History()),
              "best": None, "best_auroc": -math.inf}
 
     # ---- resume: model, optimizer, scheduler, RNG, position, history, best weights so far ----
@@ -200,9 +194,8 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
             raise ConfigError("resume", f"the checkpoint {checkpoint} belongs to {saved.get('stage')!r} with settings "
                                         f"{saved.get('key')}, not {stage!r} with {key}: the settings changed. Resume "
                                         "with the interrupted run's settings, or pass --fresh to start over.")
-        net.load_state_dict(saved["model"])
-        opt.load_state_dict(saved["optimizer"])
-        sched.load_state_dict(saved["scheduler"])
+        for part, name in ((net, "model"), (opt, "optimizer"), (sched, "scheduler")):
+            part.load_state_dict(saved[name])
         torch.set_rng_state(saved["rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])
@@ -229,7 +222,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
         # the ranks' mean statistics, so that a resumed run starts every rank where this one's mean stands: the
         # moving average is linear, so the final averaged statistics change by rounding only
         ddp.average_buffers(net)
-        state.update(epoch=epoch, step=step, history=dataclasses.asdict(hist))
+        state.update(epoch=epoch, step=step, history=asdict(hist))
         if checkpoint is not None and ddp.is_main():
             save_state(checkpoint, {**state, "model": net.state_dict(), "optimizer": opt.state_dict(),
                                     "scheduler": sched.state_dict(), "rng": torch.get_rng_state(),
@@ -264,8 +257,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
                 pending.append((epoch, step, torch.stack(record)))  # stays on the device: no sync
                 # ---- the stop agreed over the ranks; every N steps: losses checked, checkpoint ----
                 signum = ddp.reduce_max(flag["signal"], cfg.device)
-                g = epoch * steps + step + 1
-                if signum or (cfg.checkpoint_every and g % cfg.checkpoint_every == 0):
+                if signum or (cfg.checkpoint_every and (epoch * steps + step + 1) % cfg.checkpoint_every == 0):
                     save(epoch, step + 1)
                 if signum:
                     raise TrainingInterrupted(f"{signal.Signals(signum).name} in {desc} step {step + 1}/{steps}; saved in "

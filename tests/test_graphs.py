@@ -121,4 +121,4 @@ def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
         return real_import(name, *args, **kwargs)
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(ImportError, match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'"):
-        graphs._import_make_dot()
+        draw_graph(torch.ones(2, requires_grad=True).sum())
