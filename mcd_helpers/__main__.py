@@ -22,11 +22,11 @@ data not found, folder not writable or in use, unfinished work); 130 / 143 inter
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import inspect
 import re
 import sys
 import typing
+from dataclasses import fields
 from pathlib import Path
 
 from .config import PRESETS, MCDConfig, get_preset
@@ -42,20 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     rep = sub.add_parser("reproduce", help="pre-train, fine-tune with MCD, evaluate MSP, ODIN, energy and MCD",
-                         description="Pre-train on the ID set (or load the cached network), fine-tune one model "
-                         "per OOD set and strategy, evaluate MSP, ODIN, energy and MCD on the test split, write "
-                         "results.json, results.md and PNG plots into --out.")
+                         description="Pre-train (or load the cached network), fine-tune per OOD set and strategy, "
+                         "evaluate MSP, ODIN, energy and MCD; write results.json, results.md and plots into --out.")
     bench = sub.add_parser("benchmark", help="near-OOD benchmark: protocols x strategies x methods over seeds",
-                           description="A benchmark preset's grid (held-out Fashion-MNIST classes under the transductive, "
-                           "disjoint and unseen-ood protocols; MCD strategies; MSP, ODIN, energy) over seeds; writes "
-                           "results.json, scores/, summary.md, forest.png and by_protocol.png into --out.")
+                           description="A preset's grid over seeds: held-out Fashion-MNIST classes, protocols, MCD "
+                           "strategies, MSP, ODIN, energy; write results.json, scores/, summary.md, plots into --out.")
     for p, default in ((rep, "quick"), (bench, "near-ood-quick")):
         p.add_argument("--preset", default=default, help=f"named settings (default {default}); see --list-presets")
         p.add_argument("--list-presets", action="store_true", help="show the presets and exit")
         p.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
         p.add_argument("--retrain", action="store_true", help="train every stage again even if cached (each once)")
         p.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings)")
-        p.add_argument("--fresh", action="store_true", help="delete the unfinished work and results in --out, start over")
+        p.add_argument("--fresh", action="store_true", help="delete unfinished work and results in --out, start over")
         p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
     for name, kind in (("seeds", int), ("class-splits", _csv(str)), ("protocols", _csv(str)), ("strategies", _csv(str)),
                        ("selections", _csv(str))):
@@ -73,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> MCDConfig:
     """The preset ``args.preset`` with every flag given applied (KeyError: an unknown preset; ConfigError: a bad
     value)."""
-    return get_preset(args.preset, **{f.name: getattr(args, f.name) for f in dataclasses.fields(MCDConfig)
+    return get_preset(args.preset, **{f.name: getattr(args, f.name) for f in fields(MCDConfig)
                                       if getattr(args, f.name) is not None})
 
 
@@ -84,17 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     tag = "" if os.environ.get("RANK", "0") == "0" else f"[rank {os.environ['RANK']}] "  # torchrun: every rank reports
     bench = args.command == "benchmark"
     try:
-        if args.list_presets and bench:
+        if args.list_presets:
             from .benchmark import BENCHMARK_PRESETS
 
-            for name, p in BENCHMARK_PRESETS.items():
-                print(f"{name}: {p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most {p.max_seeds})")
-            return 0
-        if args.list_presets:
-            for name, cfg in PRESETS.items():
-                changed = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-                           if getattr(cfg, f.name) != f.default}
-                print(f"{name}: {changed or 'the MCDConfig defaults'}")
+            for name, p in (BENCHMARK_PRESETS if bench else PRESETS).items():
+                about = (f"{p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most {p.max_seeds})"
+                         if bench else {f.name: value for f in fields(p) if (value := getattr(p, f.name)) != f.default})
+                print(f"{name}: {about or 'the MCDConfig defaults'}")
             return 0
         if args.out is None:
             raise ConfigError("out", "--out DIR is required (the folder for results.json, "

@@ -32,8 +32,8 @@ def odin_scores(model: nn.Module, x: torch.Tensor, temperature: float, epsilons:
     """
     std = torch.as_tensor(pixel_std, dtype=x.dtype, device=device).flatten()
     if temperature <= 0 or any(eps < 0 for eps in epsilons) or std.numel() not in (1, x.shape[1]) or (std <= 0).any():
-        raise ValueError(f"ODIN needs T > 0 (1000), epsilons >= 0 (pixel units, e.g. 0.0014) and one positive pixel_std "
-                         f"or one per channel; got T={temperature}, epsilons={list(epsilons)}, pixel_std={pixel_std!r}.")
+        raise ValueError(f"ODIN needs T > 0 (1000), epsilons >= 0 (in pixels, e.g. 0.0014) and one positive pixel_std "
+                         f"or one per channel; got T={temperature}, epsilons={list(epsilons)}, pixel_std={pixel_std!r}")
     was_training, scores = model.training, [[] for _ in epsilons]
     model.eval()
     try:

@@ -22,7 +22,6 @@ import dataclasses
 import io
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +39,7 @@ from .run import check_split, output_folder
 from .splits import PROTOCOLS, class_split
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class BenchmarkPreset:
     """A grid: the shared ``config`` (sizes, epochs, learning rates; class split, protocol, selection, seed
     and norm are set per cell) and the values of each dimension. ``strategies`` run on the BatchNorm
@@ -67,8 +66,8 @@ BENCHMARK_PRESETS = {
     # reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25 fine-tuning steps of 64 + 64.
     "near-ood-quick": BenchmarkPreset(
         MCDConfig(train_subset=20_000, test_subset=5000, n_val=500, n_holdout=3000, ood_size=2000, steps_per_epoch=25,
-                  **_FINETUNE, **_ODIN),
-        class_splits=("a",), seeds=5, max_seeds=5, about="split a, every protocol, strategy and method, 5 seeds; CPU, <= 20 minutes"),
+                  **_FINETUNE, **_ODIN), class_splits=("a",), seeds=5, max_seeds=5,
+        about="split a, every protocol, strategy and method, 5 seeds; CPU, <= 20 minutes"),
     # Three class splits, every test image, the GroupNorm reference with both strategies (its concat - separate is
     # the no-coupling control), far rows (split a), 5 seeds (up to 10). About an hour on 2 cores.
     "near-ood": BenchmarkPreset(
@@ -84,7 +83,7 @@ BENCHMARK_PRESETS = {
 }
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Cell:
     """One seed, class split, task, OOD set and protocol: trained once, evaluated under every selection."""
     seed: int
@@ -108,12 +107,11 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
             message lists the valid values.
     """
     if preset not in BENCHMARK_PRESETS:
-        raise ConfigError("preset", f"unknown benchmark preset {preset!r}; valid presets: {', '.join(BENCHMARK_PRESETS)}.")
+        raise ConfigError("preset", f"unknown benchmark preset {preset!r}; valid: {', '.join(BENCHMARK_PRESETS)}.")
     p = BENCHMARK_PRESETS[preset]
     n = p.seeds if seeds is None else seeds
     if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= p.max_seeds:
-        raise ConfigError("seeds", f"seeds must be an integer from 2 (a confidence interval needs two) to {p.max_seeds} "
-                                   f"(preset {preset!r}'s most), got {seeds!r}.")
+        raise ConfigError("seeds", f"seeds must be an integer in [2, {p.max_seeds}] for {preset!r}, got {seeds!r}.")
 
     def subset(name: str, asked, valid) -> tuple:  # the values asked for, else the preset's
         asked = tuple(getattr(p, name) if asked is None else asked)
@@ -124,8 +122,7 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
     splits = tuple(p.class_splits if class_splits is None else class_splits)
     classes = [class_split(s) for s in splits]  # ConfigError for unknown or malformed splits
     if not splits or len(set(classes)) < len(classes):
-        raise ConfigError("class_splits", f"class splits {list(splits)}: name at least one, each split once (also "
-                                         "under two names it would count twice in the statistics).")
+        raise ConfigError("class_splits", f"class splits {list(splits)}: give one or more, each once under one name.")
     chosen = subset("strategies", strategies, STRATEGIES)
     return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, PROTOCOLS),
                                strategies=chosen, selections=subset("selections", selections, SELECTIONS),
@@ -135,18 +132,15 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
 
 def cells_of(p: BenchmarkPreset) -> list[Cell]:
     """Every cell in run order: seed, class split, near-OOD protocols, then the far rows (first split only)."""
-    cells = []
-    for seed in range(p.seeds):
-        for split in p.class_splits:
-            cells += [Cell(seed, split, "near-ood", HELD_OUT, protocol) for protocol in p.protocols]
-            if "transductive" in p.protocols and split == p.class_splits[0]:
-                cells += [Cell(seed, split, "far-ood", ood, "transductive") for ood in p.far_ood_sets]
-    return cells
+    near = [("near-ood", HELD_OUT, protocol) for protocol in p.protocols]
+    far = [("far-ood", ood, "transductive") for ood in p.far_ood_sets] if "transductive" in p.protocols else []
+    return [Cell(seed, split, task, ood, protocol) for seed in range(p.seeds) for split in p.class_splits
+            for task, ood, protocol in near + (far if split == p.class_splits[0] else [])]
 
 
-def _cell_config(p: BenchmarkPreset, cell: Cell) -> MCDConfig:
+def _cell_config(p: BenchmarkPreset, cell: Cell, **more) -> MCDConfig:
     return dataclasses.replace(p.config, class_split=cell.class_split, protocol=cell.protocol, seed=cell.seed,
-                               ood_sets=(cell.ood,))
+                               ood_sets=(cell.ood,), **more)
 
 
 def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progress: bool, resume: bool) -> list[dict]:
@@ -157,10 +151,10 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
     rows = []
     for norm, strategies, methods in networks:
         stem = f"{cell.name}_{norm}"
-        res = run_ood_set(dataclasses.replace(_cell_config(p, cell), norm=norm, strategies=tuple(strategies)), data,
-                          cell.ood, p.selections, methods, retrained, progress, None, None, out / "checkpoints" / stem, resume)
+        res = run_ood_set(_cell_config(p, cell, norm=norm, strategies=tuple(strategies)), data, cell.ood, p.selections,
+                          methods, retrained, progress, None, None, out / "checkpoints" / stem, resume)
         for r, (s_id, s_ood) in zip(res.rows, res.row_scores):
-            rel = f"scores/{stem}_{r['selection']}_{r['method']}" + (f"_{r['strategy']}" if r["strategy"] else "") + ".npz"
+            rel = "scores/" + "_".join(filter(None, (stem, r["selection"], r["method"], r["strategy"]))) + ".npz"
             buf = io.BytesIO()
             np.savez(buf, id=s_id.numpy(), ood=s_ood.numpy())  # the dtype the metrics saw: exact
             atomic_write(out / rel, buf.getvalue())
@@ -187,22 +181,21 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             holding unfinished work. DataNotFoundError: before training. TrainingInterrupted: SIGTERM/SIGINT.
     """
     p = check_benchmark(preset, seeds, class_splits, protocols, strategies, selections)
-    bad = [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]
-    if bad:
-        raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not available offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
+    if bad := [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]:
+        raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
     out, t0 = Path(out_dir), time.time()
     log = (lambda msg: None) if quiet else tqdm.write
     settings = {"preset": preset, **{k: v for k, v in dataclasses.asdict(p).items() if k != "config"},
                 "config": p.config.to_dict()}
+    grid = [p.strategies, p.reference, p.far_strategies, p.selections,  # in a cell's key, with its config
+            p.config.odin_temperatures, p.config.odin_epsilons]
     with output_folder(out, settings, resume, fresh, quiet) as info:
         data, cells = load_data(p.config), cells_of(p)
         for cell in {dataclasses.replace(c, seed=0) for c in cells}:  # every split of the grid, before any training
             check_split(p.config, make_split(_cell_config(p, cell), data, cell.ood), cell.name)
         rows, retrained = [], set() if retrain else False
         for cell in tqdm(cells, desc=f"benchmark {preset}", disable=not progress, unit="cell"):
-            key = cache_key(_cell_config(p, cell), "cell", cell=dataclasses.asdict(cell),
-                            grid=[p.strategies, p.reference, p.far_strategies, p.selections, p.config.odin_temperatures,
-                                  p.config.odin_epsilons])
+            key = cache_key(_cell_config(p, cell), "cell", cell=dataclasses.asdict(cell), grid=grid)
             path = out / "cells" / f"{cell.name}.json"
             saved = json.loads(path.read_text()) if path.exists() and not retrain else None
             if saved and saved["key"] == key and all((out / r["scores"]).exists() for r in saved["rows"]):

@@ -30,8 +30,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 def _check_momentum(momentum) -> None:
     if momentum is not None and (isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
                                  or not 0.0 < momentum <= 1.0):
-        raise ValueError(f"momentum must be a number in (0, 1] (PyTorch's weight of the new batch; default 0.1) "
-                         f"or None for a cumulative average, got {momentum!r}.")
+        raise ValueError(f"momentum must be a number in (0, 1] (the new batch's weight) or None, got {momentum!r}.")
 
 
 def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: str = "concat",
@@ -44,10 +43,9 @@ def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: s
             raise ValueError(f"{name} must be a floating BatchNorm input of shape (N, C, *spatial), got "
                              f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}.")
         if h.numel() // h.shape[1] < 2:
-            raise ValueError(f"{name} has fewer than 2 values per channel (shape {tuple(h.shape)}): its unbiased "
-                             "variance is undefined.")
+            raise ValueError(f"{name} {tuple(h.shape)} has fewer than 2 values per channel: no unbiased variance.")
     if h_unsup is not None and h_sup.shape[1:] != h_unsup.shape[1:]:
-        raise ValueError(f"h_sup {tuple(h_sup.shape)} and h_unsup {tuple(h_unsup.shape)} must agree but in the batch size.")
+        raise ValueError(f"h_sup {tuple(h_sup.shape)} and h_unsup {tuple(h_unsup.shape)} must agree but in batch size.")
 
 
 def _count(n, name: str, low: int) -> None:
@@ -78,7 +76,7 @@ def pooled_variance(mean_a, var_a, n_a: int, mean_b, var_b, n_b: int) -> torch.T
     _count(n_a, "n_a", 0)
     _count(n_b, "n_b", 0)
     if n_a + n_b == 0 or len({tuple(torch.as_tensor(t).shape) for t in (mean_a, var_a, mean_b, var_b)}) > 1:
-        raise ValueError("pooled_variance needs n_a + n_b > 0 and four statistics of one shape (one value per channel).")
+        raise ValueError("pooled_variance needs n_a + n_b > 0 and four statistics of one shape (a value per channel).")
     n = n_a + n_b
     return (n_a * var_a + n_b * var_b) / n + n_a * n_b / n**2 * (mean_a - mean_b) ** 2
 
@@ -123,8 +121,7 @@ def train_statistics(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str) 
     (``"separate"``) or the pooled ones (``"concat"``). Returns ``{"sup": (mean, var), "unsup": ...}``."""
     _check(h_sup, h_unsup, strategy)
     if strategy == "concat":
-        pooled = batch_stats(torch.cat([h_sup, h_unsup]))[:2]
-        return {"sup": pooled, "unsup": pooled}
+        return dict.fromkeys(("sup", "unsup"), batch_stats(torch.cat([h_sup, h_unsup]))[:2])
     return {"sup": batch_stats(h_sup)[:2], "unsup": batch_stats(h_unsup)[:2]}
 
 

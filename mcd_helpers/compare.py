@@ -10,7 +10,7 @@ two agree up to rounding exactly when no layer couples the samples of a batch in
 from __future__ import annotations
 
 import copy
-import html
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -34,10 +34,8 @@ def _max(values) -> float:
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:
     """max |a - b| in float64; a missing tensor counts as zeros."""
-    if a is None and b is None:
-        return 0.0
-    a, b = (torch.zeros_like(b) if a is None else a), (torch.zeros_like(a) if b is None else b)
-    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+    a, b = (torch.zeros((), dtype=torch.float64) if t is None else t.double() for t in (a, b))
+    return float((a - b).abs().max()) if a.numel() and b.numel() else 0.0
 
 
 @dataclass
@@ -103,43 +101,29 @@ class ForwardsComparison:
         dtype = str(self.dtype).replace("torch.", "")
         return f"{f'same up to {dtype} rounding' if self.same else 'DIFFERENT'} (relative tolerance {self.tolerance:g})"
 
-    def _rows(self) -> list[tuple[str, str, str, str]]:
-        """The report's table, header first: the 5 largest gradient differences, the first 6 nonzero buffer ones."""
+    def _repr_markdown_(self) -> str:
+        """The verdict, then a table: loss, max |grad| (concat) and max |Δgrad|, the 5 largest gradient
+        differences, the running-statistic updates, the first 6 nonzero buffer differences."""
+        from .report import markdown_table  # here: report loads scikit-learn and matplotlib
+
         inc, top = self.tracked_increments, sorted(self.grad_diff.items(), key=lambda kv: -kv[1])[:5]
-        return [("quantity", "concat", "separate", "|Δ|"),
-                ("loss", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}"),
-                ("max |grad| / max |Δgrad|", f"{self.grad_scale:.3g}", "", f"{self.max_grad_diff:.3g}"),
+        rows = [("loss", f"{self.loss_concat:.10g}", f"{self.loss_separate:.10g}", f"{self.loss_diff:.3g}"),
+                ("gradients (max abs)", f"{self.grad_scale:.3g}", "", f"{self.max_grad_diff:.3g}"),
                 *[(f"grad {k}", "", "", f"{d:.3g}") for k, d in top],
                 *([("running-stat updates per step", f"+{inc[0]}", f"+{inc[1]}", "")] if inc else []),
                 *[(f"buffer {k}", "", "", f"{d:.3g}") for k, d in self.buffer_diff.items()
                   if not k.endswith("num_batches_tracked") and d > 0][:6],
                 *([(f"parameters without a gradient (not compared): {len(self.no_grad_params)}", "", "", "")]
                   if self.no_grad_params else [])]
-
-    def _head(self) -> str:
         return (f"concat vs {len(self.batch_sizes)} separate forwards, {'train' if self.training else 'eval'} mode, "
-                f"batches {' + '.join(map(str, self.batch_sizes))}: {self.verdict}")
+                f"batches {' + '.join(map(str, self.batch_sizes))}: {self.verdict}\n\n"
+                + markdown_table(("quantity", "concat", "separate", "max abs Δ"), rows, "lrrr"))
 
-    def __str__(self) -> str:
-        return self._head() + "\n" + _text(self._rows())
-
-    def _repr_html_(self) -> str:
-        return f"<p>{html.escape(self._head())}</p>" + _html(self._rows())
-
-
-def _text(rows) -> str:
-    w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w[i]) for i, c in enumerate(r)).rstrip() for r in rows)
-
-
-def _html(rows) -> str:
-    head, *body = ("".join(f"<{tag}>{html.escape(c)}</{tag}>" for c in r)
-                   for r, tag in zip(rows, ["th", *["td"] * len(rows)]))
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(f'<tr>{r}</tr>' for r in body)}</tbody></table>"
+    __str__ = _repr_markdown_
 
 
 class ComparisonTable:
-    """Several comparisons side by side, one row per label (text when printed, HTML in Jupyter)."""
+    """Several comparisons side by side, one row per label: a Markdown table (rendered in Jupyter)."""
 
     def __init__(self, comparisons: Mapping[str, ForwardsComparison]):
         if not comparisons:
@@ -147,21 +131,22 @@ class ComparisonTable:
         self.comparisons = dict(comparisons)
 
     def rows(self) -> list[tuple[str, ...]]:
-        out = [("setting", "mode", "dtype", "batch sizes", "|Δloss|", "max |Δgrad|", "max |Δrunning stats|",
-                "num_batches_tracked", "verdict")]
-        for label, c in self.comparisons.items():
-            inc = c.tracked_increments
-            out.append((label, "train" if c.training else "eval", str(c.dtype).replace("torch.", ""),
-                        "+".join(map(str, c.batch_sizes)), f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
-                        f"{c.max_running_stat_diff:.2g}", "-" if inc is None else f"+{inc[0]} vs +{inc[1]}",
-                        "same" if c.same else "DIFFERENT"))
-        return out
+        """The header, then a row per label."""
+        return [("setting", "mode", "dtype", "batch sizes", "abs Δloss", "max abs Δgrad", "max abs Δrunning stats",
+                 "num_batches_tracked", "verdict"),
+                *[(label, "train" if c.training else "eval", str(c.dtype).replace("torch.", ""),
+                   "+".join(map(str, c.batch_sizes)), f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
+                   f"{c.max_running_stat_diff:.2g}", "-" if c.tracked_increments is None
+                   else "+%d vs +%d" % c.tracked_increments, "same" if c.same else "DIFFERENT")
+                  for label, c in self.comparisons.items()]]
 
     def __repr__(self) -> str:
-        return _text(self.rows())
+        from .report import markdown_table
 
-    def _repr_html_(self) -> str:
-        return _html(self.rows())
+        header, *rows = self.rows()
+        return markdown_table(header, rows, "llll" + "rrr" + "ll")
+
+    _repr_markdown_ = __repr__
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -187,16 +172,15 @@ def compare_forwards(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn:
         ValueError: no or empty batches, batches that cannot be concatenated, a non-scalar loss or
             one without a gradient path, uninitialised lazy parameters, a non-floating ``dtype``.
     """
-    if isinstance(batches, torch.Tensor) or not isinstance(batches, (list, tuple)) or not batches:
+    if not isinstance(batches, (list, tuple)) or not batches:
         raise (TypeError if not isinstance(batches, (list, tuple)) else ValueError)(
             "batches must be a non-empty list of input tensors [x_1, ..., x_k].")
     for i, x in enumerate(batches):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"batch {i} must be a torch.Tensor, got {type(x).__name__}.")
         if x.dim() == 0 or len(x) == 0 or x.shape[1:] != batches[0].shape[1:] or x.dtype != batches[0].dtype:
-            raise ValueError(f"batch {i} {tuple(x.shape)} {x.dtype} cannot be concatenated with batch 0 "
-                             f"{tuple(batches[0].shape)} {batches[0].dtype}: batches must be non-empty and agree in "
-                             "dtype and every axis but the first.")
+            raise ValueError(f"batch {i} {tuple(x.shape)} {x.dtype} does not match batch 0 {tuple(batches[0].shape)} "
+                             f"{batches[0].dtype}: batches must be non-empty, one dtype, equal shapes but axis 0.")
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (outputs -> scalar loss), got {type(loss_fn).__name__}.")
     if any(isinstance(p, nn.parameter.UninitializedParameter) for p in model.parameters()):
@@ -204,9 +188,9 @@ def compare_forwards(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn:
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise (ValueError if isinstance(dtype, torch.dtype) else TypeError)(
             f"dtype must be a floating torch.dtype such as torch.float64, got {dtype!r}.")
-    floats = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
-    device = floats[0].device if floats else torch.device("cpu")
-    dtype = dtype or (floats[0].dtype if floats else torch.get_default_dtype())
+    # the first floating parameter or buffer gives the device and default dtype (none: the CPU, torch's default)
+    first = next((t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()), torch.empty(0))
+    device, dtype = first.device, dtype or first.dtype
     batches = [x.detach().to(device, dtype) if x.is_floating_point() else x.detach().to(device) for x in batches]
     before, results = _buffers(model), {}
     with torch.random.fork_rng(devices=[device.index or 0] if device.type == "cuda" else []):
@@ -219,8 +203,7 @@ def compare_forwards(model: nn.Module, batches: Sequence[torch.Tensor], loss_fn:
                 raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}.")
             if any(p.requires_grad for p in m.parameters()):
                 if loss.grad_fn is None:
-                    raise ValueError("loss_fn returned a loss without a gradient path to the parameters (detached, "
-                                     "or computed under torch.no_grad()): there are no gradients to compare.")
+                    raise ValueError("loss_fn's loss has no grad_fn: do not detach it or compute it under no_grad().")
                 loss.reshape(()).backward()
             results[strategy] = float(loss.detach()), dict(m.named_parameters()), _buffers(m)
     (loss_c, params_c, bufs_c), (loss_s, params_s, bufs_s) = results["concat"], results["separate"]
@@ -246,14 +229,12 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
         x_sup: ``(N_sup, ...)``, y_sup: ``(N_sup,)`` in ``[0, K)``, x_unsup: ``(N_unsup, ...)``.
 
     Raises:
-        TypeError, ValueError: as :func:`compare_forwards`, for labels that do not match ``x_sup``,
-            and from the losses (labels outside ``[0, K)``, a negative margin).
+        TypeError, ValueError: as :func:`compare_forwards`, and from the losses (labels that do not
+            match ``x_sup`` or lie outside ``[0, K)``, a negative margin).
     """
     for name, t in (("x_sup", x_sup), ("y_sup", y_sup), ("x_unsup", x_unsup)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
-    if y_sup.shape != x_sup.shape[:1]:
-        raise ValueError(f"y_sup must have shape ({len(x_sup)},) to match x_sup, got {tuple(y_sup.shape)}.")
     y_sup = y_sup.to(next(model.parameters()).device)
     return compare_forwards(model, [x_sup, x_unsup], lambda out: step_b_objective(out, y_sup, margin)[0], dtype, seed)
 
@@ -272,10 +253,8 @@ def coupling_matrix(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         raise ValueError("x must be a batch tensor (N, ...) with N >= 1.")
     p = next(model.parameters())
     x = x.detach().to(p.device, p.dtype).requires_grad_(True)
-    out = torch.cat(copy.deepcopy(model)(x), dim=1)  # (N, 2K)
-    sq = torch.zeros(len(x), len(x), dtype=torch.float64)
-    for i in range(out.shape[0]):
-        for k in range(out.shape[1]):
-            (g,) = torch.autograd.grad(out[i, k], x, retain_graph=True)  # (N, ...)
-            sq[i] += g.double().flatten(1).pow(2).sum(1).cpu()
+    out, sq = torch.cat(copy.deepcopy(model)(x), dim=1), torch.zeros(len(x), len(x), dtype=torch.float64)  # (N, 2K)
+    for i, k in itertools.product(range(out.shape[0]), range(out.shape[1])):
+        (g,) = torch.autograd.grad(out[i, k], x, retain_graph=True)  # (N, ...)
+        sq[i] += g.double().flatten(1).pow(2).sum(1).cpu()
     return sq.sqrt()

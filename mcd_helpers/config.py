@@ -106,17 +106,17 @@ class MCDConfig:
         for name, valid in choices.items():
             if getattr(self, name) not in valid:
                 raise ConfigError(name, f"{name} must be one of {', '.join(valid)}, got {getattr(self, name)!r}.")
-        at_least = {"ood_size": 1, "n_val": 1, "train_subset": 0, "test_subset": 0, "n_holdout": 1, "pretrain_epochs": 1,
-                    "pretrain_batch_size": 1, "finetune_epochs": 1, "steps_per_epoch": 0, "batch_size_sup": 1,
-                    "batch_size_unsup": 1, "eval_batch_size": 1, "num_threads": 0, "checkpoint_every": 0, "seed": 0,
-                    "split_seed": 0, "margin": 0.0, "pretrain_momentum": 0.0, "finetune_momentum": 0.0,
-                    "pretrain_weight_decay": 0.0, "finetune_weight_decay": 0.0}
+        at_least = {"ood_size": 1, "n_val": 1, "train_subset": 0, "test_subset": 0, "n_holdout": 1,
+                    "pretrain_epochs": 1, "pretrain_batch_size": 1, "finetune_epochs": 1, "steps_per_epoch": 0,
+                    "batch_size_sup": 1, "batch_size_unsup": 1, "eval_batch_size": 1, "num_threads": 0,
+                    "checkpoint_every": 0, "seed": 0, "split_seed": 0, "margin": 0.0, "pretrain_momentum": 0.0,
+                    "finetune_momentum": 0.0, "pretrain_weight_decay": 0.0, "finetune_weight_decay": 0.0}
         for name, low in at_least.items():
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
                 raise ConfigError(name, f"{name} must be a finite number >= {low}, got {value!r}.")
         checks = [(name, isinstance(value := getattr(self, name), (int, float)) and math.isfinite(value) and value > 0,
-                   f"{name} must be a number > 0") for name in ("pretrain_lr", "finetune_lr")]
+                   f"{name} must be a number > 0, got {value!r}") for name in ("pretrain_lr", "finetune_lr")]
         checks += [(name, getattr(self, name) < high, f"{name} must be below {text}") for name, high, text in (
             ("seed", 2**32, "2**32"), ("split_seed", 2**32, "2**32"),
             ("pretrain_momentum", 1, "1"), ("finetune_momentum", 1, "1"))]
@@ -126,19 +126,18 @@ class MCDConfig:
             ("strategies", self.strategies and set(self.strategies) <= set(STRATEGIES),
              f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies}"),
             ("strategies", self.norm == "batch" or not {"split-bn", "recalibrate"} & set(self.strategies),
-             "strategies split-bn and recalibrate change BatchNorm statistics and need norm='batch'; with "
-             f"norm={self.norm!r} use separate or concat (equal without BatchNorm)"),
-            ("norm", self.model == "small_cnn" or self.norm == "batch", f"norm={self.norm!r} applies to small_cnn only"),
+             f"strategies split-bn and recalibrate need norm='batch'; with norm={self.norm!r} use separate or concat"),
+            ("norm", self.model == "small_cnn" or self.norm == "batch", f"norm={self.norm!r} is for small_cnn only"),
             ("sync_bn", not self.sync_bn or self.device.startswith("cuda"),
              f"--sync-bn needs GPUs (in torch 2.14.1 SyncBatchNorm has no CPU kernel), got device {self.device!r}"),
             ("pretrain_milestones", all(m >= 0 for m in self.pretrain_milestones), "milestones must be epochs >= 0"),
             ("ood_sets", len(self.ood_sets) > 0, "name at least one OOD set"),
-            ("class_split", not self.class_split or self.id_dataset == "fashion_mnist", "class_split needs fashion_mnist"),
+            ("class_split", not self.class_split or self.id_dataset == "fashion_mnist",
+             f"class_split needs fashion_mnist, got id_dataset {self.id_dataset!r}"),
             ("protocol", self.protocol == "transductive" or self.class_split,
              f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
-            ("odin_temperatures", self.odin_temperatures and min(self.odin_temperatures) > 0,
-             "ODIN's grid needs temperatures > 0"),
-            ("odin_epsilons", self.odin_epsilons and min(self.odin_epsilons) >= 0, "ODIN's grid needs epsilons >= 0"),
+            ("odin_temperatures", min(self.odin_temperatures, default=0) > 0, "ODIN's grid needs temperatures > 0"),
+            ("odin_epsilons", min(self.odin_epsilons, default=-1) >= 0, "ODIN's grid needs epsilons >= 0"),
             ("ood_size", self.ood_size * (784 if self.id_dataset == "fashion_mnist" else 3072) * 12 < _memory() / 2,
              f"ood_size={self.ood_size:,} generated images need more than half of this machine's memory"),
         ]
@@ -152,13 +151,12 @@ class MCDConfig:
         """Raise ConfigError unless every name in ``ood_sets`` can be loaded for ``id_dataset`` (not in
         ``__post_init__``: notebooks and tests may pass their own OOD tensors under other names)."""
         known = OOD_SETS[self.id_dataset] + ((HELD_OUT,) if self.class_split else ())
-        far = [o for o in self.ood_sets if o != HELD_OUT]
-        if self.protocol != "transductive" and far:
-            raise ConfigError("ood_sets", f"protocol {self.protocol!r} applies to the held-out classes only; OOD set(s) "
+        if self.protocol != "transductive" and (far := [o for o in self.ood_sets if o != HELD_OUT]):
+            raise ConfigError("ood_sets", f"protocol {self.protocol!r} is for the held-out classes only; OOD set(s) "
                                           f"{far} run under the transductive protocol. Pass --ood-sets {HELD_OUT}.")
-        unknown = [o for o in self.ood_sets if o not in known]
-        if unknown:
-            raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from {', '.join(known)}.")
+        if unknown := [o for o in self.ood_sets if o not in known]:
+            raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from "
+                                          f"{', '.join(known)}.")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import struct
 import tempfile
 import zlib
 from pathlib import Path
@@ -105,13 +104,12 @@ def read_idx(path: Path, fix: str = "") -> torch.Tensor:
     try:
         data = gzip.open(path).read() if path.name.endswith(".gz") else path.read_bytes()
     except (OSError, EOFError, zlib.error) as err:  # BadGzipFile is an OSError; a cut gzip an EOFError
-        raise DataNotFoundError(f"{path} cannot be read ({type(err).__name__}: {err}): it is cut short or not a "
-                                f"gzip file. {fix}") from err
+        raise DataNotFoundError(f"{path} is cut short or not gzip ({type(err).__name__}: {err}). {fix}") from err
     if len(data) < 4 or data[:3] != b"\0\0\x08" or data[3] not in (1, 3):
         raise DataNotFoundError(f"{path} is not an IDX file of images or labels: its first bytes are "
-                                f"{data[:4].hex() or 'missing'}, expected 00000803 (images) or 00000801 (labels). {fix}")
+                                f"{data[:4].hex() or 'missing'}, not 00000803 (images) or 00000801 (labels). {fix}")
     head = 4 + 4 * data[3]
-    dims = struct.unpack(f">{data[3]}I", data[4:head]) if len(data) >= head else None
+    dims = tuple(np.frombuffer(data[4:head], ">u4").tolist()) if len(data) >= head else None
     want = head + int(np.prod(dims)) if dims is not None else head
     if len(data) != want:
         raise DataNotFoundError(f"{path} is {'cut short' if len(data) < want else 'longer than its header says'}: "
@@ -131,8 +129,7 @@ def _read_split(cls_name: str, split: str, debian: Path | None = None) -> tuple[
     names = _IDX["train"] + _IDX["test"] if debian else _IDX["test"]
     folders = [r / cls_name / "raw" for r in _roots()]
     places = [(f, f"Delete it and put a good copy in {f}, or delete it to download it again.") for f in folders]
-    if debian:
-        places.append((debian, "Reinstall the package: `sudo apt-get install --reinstall dataset-fashion-mnist`."))
+    places += [(debian, "Reinstall it: `sudo apt-get install --reinstall dataset-fashion-mnist`.")] if debian else []
     files, fix = next(((found, fix) for folder, fix in places if (found := _find(folder, names))), (None, ""))
     if files is None:
         import torchvision.datasets
@@ -147,16 +144,15 @@ def _read_split(cls_name: str, split: str, debian: Path | None = None) -> tuple[
         except Exception as err:  # no network, a proxy, a full disk: all end the same way
             looked = [f"{f}/ (.gz or extracted)" for f in folders]
             looked += [f"{debian} (`sudo apt-get install dataset-fashion-mnist`)"] if debian else []
-            raise DataNotFoundError(
-                f"{cls_name} was not found. Looked in: {'; '.join(looked)} ($MCD_DATA_DIR = "
-                f"{os.environ.get('MCD_DATA_DIR') or '(not set)'}); torchvision's download failed "
-                f"({type(err).__name__}: {err}). Connect to the internet or put the files there.") from err
+            raise DataNotFoundError(f"{cls_name} was not found. Looked in: {'; '.join(looked)} ($MCD_DATA_DIR = "
+                                    f"{os.environ.get('MCD_DATA_DIR') or '(not set)'}); torchvision's download failed "
+                                    f"({type(err).__name__}: {err}). Go online or put the files there.") from err
         files, fix = _find(raw, names), "Delete it to download it again."
     images, labels = (files[n] for n in _IDX[split])
     x, y = read_idx(images, fix), read_idx(labels, fix)
     if x.dim() != 3 or tuple(x.shape[1:]) != (28, 28) or y.dim() != 1 or len(y) != len(x) or (len(y) and y.max() > 9):
         raise DataNotFoundError(f"{images} ({tuple(x.shape)}) and {labels} ({tuple(y.shape)}, labels up to "
-                                f"{int(y.max()) if len(y) else '-'}) are not 28x28 images with one label 0-9 each. {fix}")
+                                f"{int(y.max()) if len(y) else '-'}) are not 28x28 images with a label 0-9 each. {fix}")
     return x.unsqueeze(1).float().div_(255.0), y.long()  # (N, 1, 28, 28) in [0, 1]
 
 
@@ -180,21 +176,19 @@ def normalize_cifar(x: torch.Tensor) -> torch.Tensor:
 def _archive(folder: str, filename: str, md5: str, url: str, what: str) -> Path:
     """The root holding ``folder``; when no root does, the MD5-checked archive (found, else downloaded)
     is extracted into :func:`cache_dir`. Raises DataNotFoundError naming the file, its MD5 and the URL."""
-    for root in _roots():
-        if (root / folder).is_dir():
-            return root
+    if found := next((root for root in _roots() if (root / folder).is_dir()), None):
+        return found
     from torchvision.datasets.utils import check_integrity, download_and_extract_archive
 
     src = next((r for r in _roots() if (r / filename).exists()), None)
     if src is not None and not check_integrity(str(src / filename), md5):
-        raise DataNotFoundError(f"{src / filename} is corrupt or not the expected file (its MD5 is not {md5}). "
-                                f"Delete it and download it again from {url}.")
+        raise DataNotFoundError(f"{src / filename} is corrupt (MD5 not {md5}); delete it and download {url} again.")
     try:
         download_and_extract_archive(url, src or cache_dir(), extract_root=cache_dir(), filename=filename, md5=md5)
     except Exception as err:
         raise DataNotFoundError(f"{what} was not found: looked for {folder}/ and {filename} in "
-                                f"{', '.join(map(str, _roots()))}; the download from {url} failed ({type(err).__name__}: "
-                                f"{err}). Download {filename} (MD5 {md5}) and put it in {data_dir()} ($MCD_DATA_DIR).") from err
+                                f"{', '.join(map(str, _roots()))}; fetching {url} failed ({type(err).__name__}: {err})."
+                                f" Put {filename} (MD5 {md5}) in {data_dir()} ($MCD_DATA_DIR).") from err
     return cache_dir()
 
 
@@ -207,14 +201,14 @@ def load_cifar(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from torchvision.datasets import CIFAR10, CIFAR100
 
     if name not in ("cifar10", "cifar100"):
-        raise ValueError(f"unknown CIFAR data set {name!r}; choose from cifar10, cifar100.")
+        raise ValueError(f"{name!r} is no CIFAR data set (cifar10, cifar100; load_id also takes fashion_mnist).")
     cls = CIFAR10 if name == "cifar10" else CIFAR100
     root = _archive(cls.base_folder, cls.filename, cls.tgz_md5, cls.url, cls.__name__)
     try:
         ds = cls(str(root), train=train, download=False)
     except RuntimeError as err:  # torchvision: "Dataset not found or corrupted" (a batch file's MD5)
-        raise DataNotFoundError(f"{root / cls.base_folder} is incomplete or a file in it is corrupt ({err}). Delete the "
-                                f"folder and {cls.filename} to download {cls.url} (MD5 {cls.tgz_md5}) again.") from err
+        raise DataNotFoundError(f"{root / cls.base_folder} is incomplete or corrupt ({err}). Delete it and "
+                                f"{cls.filename} to download {cls.url} (MD5 {cls.tgz_md5}) again.") from err
     x = torch.from_numpy(np.ascontiguousarray(ds.data)).permute(0, 3, 1, 2).float().div_(255.0)  # (N, 3, 32, 32)
     return normalize_cifar(x), torch.as_tensor(ds.targets, dtype=torch.long)
 
@@ -247,9 +241,8 @@ def data_present(id_dataset: str, ood_sets=ODIN_ARCHIVES) -> bool:
 # ---- the data sets by name ------------------------------------------------------------------------
 
 def load_id(name: str, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """An ID set of :data:`ID_DATASETS`: ``x (N, C, H, W)`` normalised, ``y (N,)``. ValueError on another name."""
-    if name not in ID_DATASETS:
-        raise ValueError(f"unknown ID data set {name!r}; choose from {', '.join(ID_DATASETS)}.")
+    """An ID set of :data:`ID_DATASETS`: ``x (N, C, H, W)`` normalised, ``y (N,)``. ValueError on another name
+    (:func:`load_cifar`'s)."""
     return load_fashion_mnist(train) if name == "fashion_mnist" else load_cifar(name, train)
 
 
@@ -297,8 +290,7 @@ def load_ood(name: str, n: int = 10_000, seed: int = 0, id_dataset: str = "fashi
                   for img in load_sample_images().images]
         g, crops = torch.Generator().manual_seed(seed), []
         for i in torch.randint(len(photos), (n,), generator=g).tolist():
-            _, h, w = photos[i].shape
-            top, left = int(torch.randint(h - 27, (1,), generator=g)), int(torch.randint(w - 27, (1,), generator=g))
+            top, left = (int(torch.randint(size - 27, (1,), generator=g)) for size in photos[i].shape[1:])  # h, w
             crops.append(photos[i][:, top:top + 28, left:left + 28])
         x = torch.stack(crops)  # (n, 1, 28, 28)
     else:  # mnist
@@ -327,5 +319,4 @@ def infinite_loader(loader) -> Iterator:
         for yielded, batch in enumerate(loader, 1):
             yield batch
         if not yielded:
-            raise ValueError("infinite_loader got a loader that yields no batches "
-                             "(empty data set, or drop_last=True with fewer samples than batch_size).")
+            raise ValueError("the loader yields no batch (empty data set, or drop_last=True and < batch_size samples).")

@@ -63,6 +63,5 @@ def load_state(path: Path) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise RuntimeError(f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err)[:200]}): it was cut "
-                           "short, or is not a file of this package (loading other objects could run code). Delete it "
-                           "to compute that stage again.") from err
+        raise RuntimeError(f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err)[:200]}): cut short"
+                           " or foreign (loading other objects could run code). Delete it to recompute it.") from err

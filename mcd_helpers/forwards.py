@@ -45,14 +45,12 @@ def split_rows(output, sizes: Sequence[int]) -> list:
     if isinstance(output, torch.Tensor):
         if output.dim() == 0 or output.shape[0] != sum(sizes):
             raise ValueError(f"the model's output {tuple(output.shape)} cannot be split by rows into batches of "
-                             f"{tuple(sizes)}: its first axis must be the total batch size {sum(sizes)} (one row "
-                             "per input sample).")
+                             f"{tuple(sizes)}: its first axis must be the total batch size {sum(sizes)}.")
         return [output[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(sizes))]  # slices (SliceBackward0)
     if isinstance(output, (tuple, list)) and output and all(isinstance(t, torch.Tensor) for t in output):
         return list(zip(*(split_rows(t, sizes) for t in output)))  # one tuple (t_1[rows_i], t_2[rows_i], ...) per batch
-    raise TypeError(f"the model's output must be a tensor or a flat tuple of tensors, got {type(output).__name__}"
-                    + (f" holding a {type(next(t for t in output if not isinstance(t, torch.Tensor))).__name__}"
-                       if isinstance(output, (tuple, list)) and output else "") + ".")
+    got = [type(t).__name__ for t in output] if isinstance(output, (tuple, list)) else type(output).__name__
+    raise TypeError(f"the model's output must be a tensor or a flat tuple of tensors, got {got}.")
 
 
 def forward_outputs(model: nn.Module, batches: Sequence[torch.Tensor], strategy: str) -> list:
@@ -83,7 +81,8 @@ def check_strategy(strategy: str) -> str:
 
 def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
                 strategy: str = "separate", margin: float = 1.2) -> tuple[torch.Tensor, dict]:
-    """Step B: CE(F1) + CE(F2) on ``x_sup`` + the discrepancy loss on ``x_unsup`` (nats), the batches fed by ``strategy``.
+    """Step B: CE(F1) + CE(F2) on ``x_sup`` + the discrepancy loss on ``x_unsup`` (nats), the batches fed by
+    ``strategy``.
 
     Shapes:
         x_sup: ``(N_sup, C, H, W)``, y_sup: ``(N_sup,)`` in ``[0, K)``, x_unsup: ``(N_unsup, C, H, W)``.
@@ -95,8 +94,7 @@ def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_un
         ValueError: an unknown strategy, ``"split-bn"`` without per-source BatchNorm, bad labels.
     """
     if check_strategy(strategy) == "split-bn" and not has_sources(model):
-        raise ValueError("strategy 'split-bn' needs a model with per-source BatchNorm: convert it with "
-                         "mcd_helpers.norms.per_source_batchnorm(model) (the pipeline does).")
+        raise ValueError("'split-bn' needs per-source BatchNorm: use mcd_helpers.norms.per_source_batchnorm(model).")
     outputs = forward_outputs(model, [x_sup, x_unsup], "concat" if strategy == "concat" else "separate")
     return step_b_objective(outputs, y_sup, margin)
 

@@ -84,9 +84,8 @@ def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 
     """
     n = len(graph_nodes(loss))
     if max_nodes is not None and n > max_nodes:
-        raise GraphTooLargeError(f"the autograd graph of this loss has {n} nodes, more than max_nodes={max_nodes}: "
-                                 "drawn, its boxes would be too small to read. Call graph_stats(loss) for a count by "
-                                 "node type, draw a smaller model (one block, small_cnn), or pass max_nodes=None.")
+        raise GraphTooLargeError(f"the autograd graph of this loss has {n} nodes, more than max_nodes={max_nodes}, too "
+                                 "many to read: see graph_stats(loss), draw a smaller model, or pass max_nodes=None.")
     try:
         from torchviz import make_dot
     except ImportError as err:  # torchviz itself, or distutils (gone in Python 3.12; setuptools provides it)
@@ -97,9 +96,8 @@ def draw_graph(loss, model: nn.Module | None = None, *, max_nodes: int | None = 
         dot = make_dot(tuple(loss) if isinstance(loss, list) else loss, show_attrs=show_attrs, show_saved=show_saved,
                        params=None if model is None else dict(model.named_parameters()))
     if shutil.which("dot") is None:
-        warnings.warn("Graphviz's `dot` program was not found on PATH. Install it to render the graph: `sudo "
-                      "apt-get install graphviz` (Debian/Ubuntu), `conda install -c conda-forge graphviz` (conda), "
-                      "`brew install graphviz` (macOS). Meanwhile here is the DOT source, for any Graphviz viewer.",
+        warnings.warn("Graphviz's `dot` program was not found on PATH; returning the DOT source. To render it: `sudo "
+                      "apt-get install graphviz`, `conda install -c conda-forge graphviz` or `brew install graphviz`.",
                       GraphvizMissingWarning, stacklevel=2)
         return dot.source
     return dot

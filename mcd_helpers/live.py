@@ -6,7 +6,6 @@ setting run before is loaded from the cache and its epochs replayed into the liv
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
 import IPython.display
 import matplotlib.pyplot as plt
@@ -35,7 +34,7 @@ class LivePlot:
         self.updates += 1
 
 
-@dataclass
+@dataclasses.dataclass
 class Rerun:
     """One :func:`rerun`: its settings, the fine-tuned model and history, :func:`~mcd_helpers.pipeline.evaluate`'s
     rows and scores, and ``before``: the pre-trained network's discrepancy scores ``(id, ood)``."""
@@ -62,9 +61,8 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
     cfg = dataclasses.replace(cfg, margin=margin, finetune_epochs=epochs, strategies=(strategy,))
     live = LivePlot(margin, f"{ood}, {strategy}, m = {margin}") if show else None
     # retrain: the fine-tuning only (a name in the set counts as retrained already: the cached pre-training loads)
-    again = {f"pretrain-{cache_key(cfg, 'pretrain')}.pt"} if retrain else False
-    res = run_ood_set(cfg, data, ood, retrain=again, progress=False, log=None,
-                      on_epoch=None if live is None else lambda s, e, h: live(e, h))
+    res = run_ood_set(cfg, data, ood, retrain={f"pretrain-{cache_key(cfg, 'pretrain')}.pt"} if retrain else False,
+                      progress=False, log=None, on_epoch=None if live is None else lambda s, e, h: live(e, h))
     base, scores = res.models["base"], res.scores
     before = evaluate(cfg, base, {"pre-trained": base}, res.split, ood, methods=("mcd",))[1]["mcd:pre-trained"]
     if show:
@@ -85,16 +83,15 @@ def rerun_widget(cfg, data, ood_sets, max_epochs: int = 5):
     """
     import ipywidgets as w
 
-    controls = {
-        "margin": w.FloatSlider(value=cfg.margin, min=0.0, max=2.3, step=0.1, description="margin m (nats)",
-                                style={"description_width": "initial"}),
-        "ood": w.Dropdown(options=list(ood_sets), value=ood_sets[0], description="OOD set"),
-        "strategy": w.ToggleButtons(options=list(STRATEGIES), value="separate", description="Step B"),
-        "epochs": w.IntSlider(value=min(cfg.finetune_epochs, max_epochs), min=1, max=max_epochs, description="epochs"),
-        "retrain": w.Checkbox(value=False, description="train again even if cached"),
-        "button": w.Button(description="fine-tune again", button_style="primary", icon="play"),
-        "output": w.Output(),
-    }
+    controls = {"margin": w.FloatSlider(value=cfg.margin, min=0.0, max=2.3, step=0.1, description="margin m (nats)",
+                                        style={"description_width": "initial"}),
+                "ood": w.Dropdown(options=list(ood_sets), value=ood_sets[0], description="OOD set"),
+                "strategy": w.ToggleButtons(options=list(STRATEGIES), value="separate", description="Step B"),
+                "epochs": w.IntSlider(value=min(cfg.finetune_epochs, max_epochs), min=1, max=max_epochs,
+                                      description="epochs"),
+                "retrain": w.Checkbox(value=False, description="train again even if cached"),
+                "button": w.Button(description="fine-tune again", button_style="primary", icon="play"),
+                "output": w.Output()}
 
     def on_click(_):
         controls["output"].clear_output()

@@ -46,13 +46,12 @@ def supervised_loss(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch
     if n == 0:
         raise ValueError("supervised_loss needs at least one labeled sample; got an empty batch (its mean is NaN).")
     if not isinstance(targets, torch.Tensor) or targets.dtype.is_floating_point or targets.dtype == torch.bool:
-        raise ValueError(f"targets must be an integer tensor of class indices (N,), got {getattr(targets, 'dtype', targets)}.")
+        raise ValueError(f"targets must be a tensor of integer class labels, got {getattr(targets, 'dtype', targets)}.")
     if targets.shape != (n,):
         raise ValueError(f"targets must have shape ({n},) to match the logits, got {tuple(targets.shape)}.")
     bad = targets[(targets < 0) | (targets >= k)]
     if len(bad):
-        raise ValueError(f"labels must lie in [0, {k}) for a {k}-class model, got {bad[:5].tolist()} (OOD samples "
-                         "carry no label: keep them out of the supervised loss).")
+        raise ValueError(f"labels must lie in [0, {k}) ({k} classes), got {bad[:5].tolist()}: keep OOD samples out.")
     return F.cross_entropy(logits1, targets.long()) + F.cross_entropy(logits2, targets.long())  # int64 class indices
 
 

@@ -41,8 +41,12 @@ class _Packed:
     def __init__(self, meter: "SavedTensorMeter", tensor: torch.Tensor, key: tuple):
         self.tensor, self.key, self.meter = tensor, key, meter
 
-    def __del__(self):
-        self.meter._release(self.key)
+    def __del__(self):  # the last saved reference gone: the bytes leave the meter
+        refs = self.meter._refs
+        refs[self.key] -= 1
+        if not refs[self.key]:
+            self.meter.live_bytes -= self.key[2]
+            del refs[self.key]
 
 
 class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
@@ -75,12 +79,6 @@ class SavedTensorMeter(torch.autograd.graph.saved_tensors_hooks):
         self._refs[key] = self._refs.get(key, 0) + 1
         return _Packed(self, t.detach(), key)  # detached: a saved output holding its grad_fn would be a cycle
 
-    def _release(self, key: tuple) -> None:
-        self._refs[key] -= 1
-        if not self._refs[key]:
-            self.live_bytes -= key[2]
-            del self._refs[key]
-
     def __enter__(self) -> "SavedTensorMeter":
         super().__enter__()
         return self
@@ -111,13 +109,13 @@ def _backward(loss: torch.Tensor) -> float:
 
 
 def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> float:
-    """One Step B by ``schedule``, its gradient accumulated into ``.grad``; returns its loss (nats)."""
+    """One Step B by ``schedule``, its gradient accumulated into ``.grad``; returns its loss (nats). ``per_part``
+    frees the labeled graph before the unlabeled forward, ``per_part_late`` builds both graphs, then frees them."""
     if schedule in ("concat", "separate"):
         return _backward(step_b_loss(m, x_sup, y_sup, x_unsup, schedule, margin)[0])
     parts = (lambda: supervised_loss(*_heads(m(x_sup)), y_sup), lambda: discrepancy_loss(*_heads(m(x_unsup)), margin))
-    if schedule == "per_part":  # the labeled graph is freed before the unlabeled forward
-        return sum(_backward(part()) for part in parts)
-    return sum(_backward(loss) for loss in [part() for part in parts])  # per_part_late: both graphs built, then freed
+    losses = (part() for part in parts) if schedule == "per_part" else [part() for part in parts]
+    return sum(_backward(loss) for loss in losses)
 
 
 def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor,
@@ -134,20 +132,17 @@ def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsu
             with no trainable parameter. TypeError: inputs that are not tensors, a model that does not
             return ``(logits1, logits2)``. RuntimeError: autograd disabled (``torch.no_grad()``).
     """
-    if schedule not in BACKWARD_SCHEDULES:
-        raise ValueError(f"schedule must be one of {BACKWARD_SCHEDULES}, got {schedule!r}.")
-    if not isinstance(repeats, int) or repeats < 0:
-        raise ValueError(f"repeats must be an integer >= 0, got {repeats!r}.")
+    if schedule not in BACKWARD_SCHEDULES or not isinstance(repeats, int) or repeats < 0:
+        raise ValueError(f"schedule must be one of {BACKWARD_SCHEDULES} and repeats an integer >= 0; got {schedule!r}, "
+                         f"repeats={repeats!r}.")
     if not all(isinstance(t, torch.Tensor) for t in (x_sup, y_sup, x_unsup)):
         raise TypeError("x_sup, y_sup and x_unsup must be torch.Tensors (convert them with torch.as_tensor).")
     if x_sup.shape[1:] != x_unsup.shape[1:]:
-        raise ValueError(f"x_sup {tuple(x_sup.shape)} and x_unsup {tuple(x_unsup.shape)} must agree but in the batch size.")
+        raise ValueError(f"x_sup {tuple(x_sup.shape)} and x_unsup {tuple(x_unsup.shape)} must agree but in batch size.")
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-        raise RuntimeError("step_cost measures the graphs autograd builds, but autograd is disabled here "
-                           "(torch.no_grad() or torch.inference_mode()): call it outside that block.")
+        raise RuntimeError("autograd is disabled here (torch.no_grad() or torch.inference_mode()): leave that block.")
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(f"the model ({type(model).__name__}) has no parameter that requires a gradient: "
-                         "there is no backward to measure.")
+        raise ValueError(f"the model ({type(model).__name__}) has no parameter with requires_grad=True to measure.")
     m = copy.deepcopy(model)
     p = next(m.parameters())
     x_sup, x_unsup, y_sup = x_sup.to(p.device, p.dtype), x_unsup.to(p.device, p.dtype), y_sup.to(p.device)
@@ -155,16 +150,15 @@ def step_cost(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsu
     with SavedTensorMeter(exclude=[*m.parameters(), x_sup, x_unsup]) as meter:
         loss = _run(m, x_sup, y_sup, x_unsup, schedule, margin)
     grads = {k: q.grad.detach().clone() for k, q in m.named_parameters() if q.grad is not None}
-    times, opt, cuda = [], torch.optim.SGD(m.parameters(), lr=0.01), p.device.type == "cuda"
+    times, opt = [], torch.optim.SGD(m.parameters(), lr=0.01)
+    sync = torch.cuda.synchronize if p.device.type == "cuda" else torch.cpu.synchronize  # the CPU's: a no-op
     for _ in range(repeats):
-        if cuda:
-            torch.cuda.synchronize(p.device)
+        sync(p.device)
         start = time.perf_counter()
         m.zero_grad(set_to_none=True)
         _run(m, x_sup, y_sup, x_unsup, schedule, margin)
         opt.step()
-        if cuda:
-            torch.cuda.synchronize(p.device)
+        sync(p.device)
         times.append(time.perf_counter() - start)
     ms = 1000 * sorted(times)[len(times) // 2] if times else None
     return StepCost(schedule, meter.peak_bytes, meter.live_bytes, loss, ms, str(p.device), grads)

@@ -38,11 +38,9 @@ def as_scores(scores, name: str = "scores") -> np.ndarray:
         scores = scores.detach().cpu().double().numpy()
     arr = np.asarray(scores, dtype=np.float64)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of per-sample scores, got shape {arr.shape}; "
-                         "flatten it or pass one score per sample.")
+        raise ValueError(f"{name} must be a 1-D sequence of per-sample scores, got shape {arr.shape}: flatten it.")
     if arr.size == 0:
-        raise ValueError(f"{name} is empty: OOD metrics need at least one ID and one OOD score "
-                         "(check that the data set was found and the split is not empty).")
+        raise ValueError(f"{name} is empty: OOD metrics need at least one ID and one OOD score; check the data.")
     bad = ~np.isfinite(arr)
     if bad.any():
         raise ValueError(f"{name} holds {int(bad.sum())} non-finite value(s) (NaN or inf), first at "

@@ -117,9 +117,8 @@ def densenet_bc_100(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     growth, channels = 12, 24
     layers: list[nn.Module] = [nn.Conv2d(in_channels, channels, 3, padding=1, bias=False)]
     for block in range(3):
-        for _ in range(16):  # (L - 4) / 6 bottleneck layers per block
-            layers.append(_DenseLayer(channels, growth))
-            channels += growth
+        layers += [_DenseLayer(channels + i * growth, growth) for i in range(16)]  # (L - 4) / 6 bottlenecks per block
+        channels += 16 * growth
         if block < 2:  # transition: BN-ReLU-Conv1x1 to half the channels, average pooling
             layers.append(nn.Sequential(nn.BatchNorm2d(channels), nn.ReLU(inplace=True),
                                         nn.Conv2d(channels, channels // 2, 1, bias=False), nn.AvgPool2d(2)))
@@ -151,17 +150,15 @@ def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     """
     layers, c_in = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)], 16
     for width, stride in ((160, 1), (320, 2), (640, 2)):  # 16 x widen 10, 32 x 10, 64 x 10
-        for i in range(4):  # (depth - 4) / 6 blocks per group
-            layers.append(_WideBasic(c_in, width, stride if i == 0 else 1))
-            c_in = width
+        layers += [_WideBasic(width if i else c_in, width, 1 if i else stride) for i in range(4)]  # (depth - 4) / 6
+        c_in = width
     layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return TwoHeadNet(nn.Sequential(*layers), c_in, num_classes, in_channels)
 
 
 def build_model(name: str, in_channels: int, num_classes: int, norm: str = "batch") -> TwoHeadNet:
     """One of :data:`MODELS` by name (``norm``: ``small_cnn`` only). ``ValueError`` on another name."""
-    if name == "small_cnn":
-        return small_cnn(in_channels, num_classes, norm=norm)
-    if name in MODELS:
-        return {"densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}[name](in_channels, num_classes)
-    raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}.")
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}.")
+    builder = {"small_cnn": small_cnn, "densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}[name]
+    return builder(in_channels, num_classes, **({"norm": norm} if name == "small_cnn" else {}))

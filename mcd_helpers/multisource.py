@@ -129,13 +129,12 @@ def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 20
         ValueError: an unknown layout or norm, ``steps < 1`` or ``batch < 2``.
     """
     if layout not in LAYOUTS or steps < 1 or batch < 2:
-        raise ValueError(f"layout must be one of {LAYOUTS}, steps >= 1 and batch >= 2; got {layout!r}, {steps}, {batch}.")
+        raise ValueError(f"layout must be one of {LAYOUTS}, steps >= 1, batch >= 2; got {layout!r}, {steps}, {batch}.")
     torch.manual_seed(seed)
     model = source_net(norm, num_sources=num_sources)
     train = make_domains(min(steps * batch, 8192), num_sources, shift=shift, seed=seed)
     test = make_domains(1000, num_sources, shift=shift, seed=seed + 10_000)
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    g, losses = torch.Generator().manual_seed(seed), []
+    opt, g, losses = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), torch.Generator().manual_seed(seed), []
     for _ in range(steps):
         _train_mode(model, norm)
         idx = [torch.randint(len(x), (batch,), generator=g) for x, _ in train]

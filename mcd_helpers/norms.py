@@ -54,21 +54,19 @@ class PerSourceBatchNorm(nn.Module):
             ValueError: if ``bn`` has no affine parameters or keeps no running statistics.
         """
         if not bn.affine or not bn.track_running_stats:
-            raise ValueError(f"{bn} cannot get per-source statistics: it needs affine=True and "
-                             "track_running_stats=True (without running statistics there is nothing per source).")
+            raise ValueError(f"{bn} cannot get per-source statistics: needs affine=True and track_running_stats=True.")
         new = cls(bn.num_features, num_sources, bn.eps, bn.momentum).to(bn.weight.device, bn.weight.dtype)
-        stats = {k: getattr(bn, k) for k in ("running_mean", "running_var", "num_batches_tracked")}  # (C,), (C,), ()
-        new.load_state_dict({"weight": bn.weight, "bias": bn.bias,
-                             **{k: v.expand(num_sources, *v.shape) for k, v in stats.items()}})  # a row per source
+        # weight, bias (C,) shared; running_mean, running_var (C,) and num_batches_tracked () copied to a row per source
+        new.load_state_dict({k: v if k in ("weight", "bias") else v.expand(num_sources, *v.shape)
+                             for k, v in bn.state_dict().items()})
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s, momentum = self.source, self.momentum
-        if self.training and momentum is None:  # cumulative average, as nn.BatchNorm with momentum=None
-            momentum = 1.0 / float(self.num_batches_tracked[s] + 1)
+        s = self.source  # momentum=None: a cumulative average, as nn.BatchNorm's (unused in eval mode)
+        momentum = 1.0 / float(self.num_batches_tracked[s] + 1) if self.momentum is None else self.momentum
         # F.batch_norm updates the running statistics it is given in place: this source's rows
         out = F.batch_norm(x, self.running_mean[s], self.running_var[s], self.weight, self.bias,
-                           self.training, momentum or 0.0, self.eps)
+                           self.training, momentum, self.eps)
         if self.training:
             self.num_batches_tracked[s] += 1  # counted once the forward has succeeded
         return out
@@ -82,14 +80,13 @@ def per_source_batchnorm(model: nn.Module, num_sources: int = 2) -> nn.Module:
     """
     if isinstance(model, _BN):  # a bare BatchNorm layer
         return PerSourceBatchNorm.from_batchnorm(model, num_sources)
-    model, found = copy.deepcopy(model), False
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, _BN):
-                setattr(parent, name, PerSourceBatchNorm.from_batchnorm(child, num_sources))
-                found = True
+    model = copy.deepcopy(model)
+    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+             if isinstance(child, _BN)]
     if not found:
         raise ValueError("the model has no BatchNorm layer to give per-source statistics.")
+    for parent, name, child in found:
+        setattr(parent, name, PerSourceBatchNorm.from_batchnorm(child, num_sources))
     return model
 
 
@@ -108,8 +105,7 @@ def use_source(model: nn.Module, source: int):
     """
     layers = [m for m in model.modules() if isinstance(m, PerSourceBatchNorm)]
     if not layers:
-        raise ValueError("use_source needs a model with PerSourceBatchNorm layers: convert it with "
-                         "per_source_batchnorm(model) first.")
+        raise ValueError("use_source needs PerSourceBatchNorm layers: convert with per_source_batchnorm(model).")
     if not all(0 <= source < m.num_sources for m in layers):
         raise ValueError(f"source must be in [0, {min(m.num_sources for m in layers)}), got {source}.")
     before = [m.source for m in layers]
@@ -150,11 +146,8 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     saved = [copy.deepcopy(m.state_dict()) for m in layers]
     try:
         for m in layers:
-            m.momentum = None
-            if isinstance(m, PerSourceBatchNorm):
-                m.running_mean[0], m.running_var[0], m.num_batches_tracked[0] = 0.0, 1.0, 0
-            else:
-                m.reset_running_stats()
+            row = 0 if isinstance(m, PerSourceBatchNorm) else ...  # source 0's statistics, or all of the layer's
+            m.momentum, m.running_mean[row], m.running_var[row], m.num_batches_tracked[row] = None, 0.0, 1.0, 0
         model.train()
         with use_source(model, 0) if has_sources(model) else contextlib.nullcontext():
             for chunk in [c for c in x.split(batch_size) if len(c) > 1]:

@@ -22,8 +22,8 @@ from .report import markdown_table
 
 PAPER_SOURCE = ("Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, CIFAR-10 as ID "
                 "(not verified offline)")
-UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupervised-Out-of-Distribution-Detection-by-"
-                     "Maximum-Classifier-Discrepancy (a figure of its README)")
+UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupervised-Out-of-Distribution-Detection-"
+                     "by-Maximum-Classifier-Discrepancy (a figure of its README)")
 OPENOOD_SOURCE = ("OpenOOD v1.5 leaderboard results files (2025): ResNet-18, outlier data disjoint from the test sets, "
                   "AUROC in % on its near-OOD and far-OOD groups")
 PAPER_METRICS = ("fpr95", "detection_error", "auroc")
@@ -61,9 +61,8 @@ def beside_paper(ours: Sequence[dict], id_dataset: str = "cifar10", ood_names: M
     Raises:
         ValueError: a method the paper does not report, or two rows for one (OOD set, method): average seeds first.
     """
-    if not set(methods) <= {"odin", "eloc", "mcd"}:
-        raise ValueError(f"the paper reports odin, eloc and mcd; cannot compare "
-                         f"{sorted(set(methods) - {'odin', 'eloc', 'mcd'})}.")
+    if unknown := sorted(set(methods) - {"odin", "eloc", "mcd"}):
+        raise ValueError(f"the paper reports odin, eloc and mcd; cannot compare {unknown}.")
     ood_names = ood_names or (CIFAR_OOD_NAMES if id_dataset.startswith("cifar") else FMNIST_ANALOGS)
     index: dict[tuple, dict] = {}
     for r in ours:
@@ -77,28 +76,31 @@ def beside_paper(ours: Sequence[dict], id_dataset: str = "cifar10", ood_names: M
     return [{**c, "gap": c["ours"] - c["paper"]} for c in out]
 
 
+def _fmt(value, spec: str = ".2f") -> str:
+    return "–" if value is None or np.isnan(value) else format(value, spec)
+
+
 def beside_paper_markdown(comparison: Sequence[dict], ours_label: str = "ours", paired_only: bool = False) -> str:
     """A line per (paper OOD set, metric): the paper's ODIN / ELOC / MCD, ours and the gaps (%);
     ``paired_only`` leaves out the lines where we have no number (a note names them)."""
-    fmt = lambda v, signed=False: "–" if v is None or np.isnan(v) else (f"{v:+.2f}" if signed else f"{v:.2f}")  # noqa: E731
     by = {(c["ood"], c["method"], c["metric"]): c for c in comparison}
     methods = [m for m in ("odin", "mcd") if any(k[1] == m for k in by)]
-    rows, dropped = [], []
+    rows, dropped = [], {}  # dropped: the OOD sets left out, in order (a dict as an ordered set)
     for ood in PAPER_OOD_SETS:
         for k in PAPER_METRICS:
             mine = [by.get((ood, m, k)) for m in methods]
             if paired_only and not any(c and np.isfinite(c["ours"]) for c in mine):
-                dropped.append(ood)
+                dropped[ood] = None
                 continue
             ours_ood = next((c["ours_ood"] for c in mine if c and c["ours_ood"]), None) or "–"
-            rows.append([ood, ours_ood, _LABELS[k], *map(fmt, _TABLE[ood][k])]
-                        + [fmt(c["ours"]) if c else "–" for c in mine] + [fmt(c["gap"], True) if c else "–" for c in mine])
+            rows.append([ood, ours_ood, _LABELS[k], *map(_fmt, _TABLE[ood][k]), *(_fmt(c and c["ours"]) for c in mine),
+                         *(_fmt(c and c["gap"], "+.2f") for c in mine)])
     header = ["OOD (paper)", f"OOD ({ours_label})", "metric", "ODIN", "ELOC", "MCD",
               *(f"{ours_label} {m.upper()}" for m in methods), *(f"gap {m.upper()}" for m in methods)]
-    note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; FPR95 and detection "
-            f"error: lower is better). Paper: {PAPER_SOURCE}.")
+    note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; FPR95 and "
+            f"detection error: lower is better). Paper: {PAPER_SOURCE}.")
     if dropped:
-        note += f" Not shown: the paper's rows for {', '.join(dict.fromkeys(dropped))}, which have no counterpart in our run."
+        note += f" Not shown: the paper's rows for {', '.join(dropped)}, which have no counterpart in our run."
     return markdown_table(header, rows, "lll" + "r" * (len(header) - 3)) + note
 
 
@@ -116,13 +118,12 @@ def plot_beside_paper(comparison: Sequence[dict], title: str = "", ours_label: s
                     for o in PAPER_OOD_SETS]
             ax.bar(x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color)
         ax.set_xticks(x, PAPER_OOD_SETS)
-        ax.set(title=f"{_LABELS[k]} ({'higher' if k == 'auroc' else 'lower'} is better)", xlabel="OOD set (paper's name)",
-               ylabel=f"{_LABELS[k]} (%)")
+        ax.set(title=f"{_LABELS[k]} ({'higher' if k == 'auroc' else 'lower'} is better)",
+               xlabel="OOD set (paper's name)", ylabel=f"{_LABELS[k]} (%)")
         if k == "auroc":
             finite = [c[s] for c in comparison for s in ("paper", "ours") if c["metric"] == k and np.isfinite(c[s])]
             ax.set_ylim(max(0.0, min(finite, default=90.0) - 2.0), 100.5)
-    handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(series), fontsize=9, frameon=False)  # below the panels
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(series), fontsize=9, frameon=False)
     fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend below the panels
     return fig

@@ -71,17 +71,15 @@ def make_split(cfg, data: Data, ood: str) -> Split:
         ConfigError: held-out classes without a class split, a far OOD set under another protocol, sizes the
             data cannot give (the message names the field).
     """
+    if ood == HELD_OUT and not cfg.class_split:
+        raise ConfigError("class_split", "OOD set 'heldout' needs a class split: --class-split a, b, c or 012345/6789.")
+    if ood != HELD_OUT and cfg.protocol != "transductive":
+        raise ConfigError("protocol", f"{ood!r} needs --protocol transductive; {cfg.protocol!r} is for 'heldout' only.")
     (x_tr, y_tr), (x_te, y_te) = (data.x_train, data.y_train), (data.x_test, data.y_test)
     if ood == HELD_OUT:
-        if not cfg.class_split:
-            raise ConfigError("class_split", f"the OOD set {HELD_OUT!r} (held-out classes) needs a class split: pass "
-                                             "--class-split a, b, c or one written as '012345/6789'.")
         far = load_ood(cfg.unlabeled_ood, cfg.ood_size, cfg.seed + 1, cfg.id_dataset) if cfg.protocol == "unseen-ood" else None
         return protocol_split(cfg.protocol, x_tr, y_tr, x_te, y_te, *class_split(cfg.class_split), n_val=cfg.n_val,
                               seed=cfg.split_seed, n_holdout=cfg.n_holdout, far_ood_train=far)
-    if cfg.protocol != "transductive":
-        raise ConfigError("protocol", f"the OOD set {ood!r} runs under the transductive protocol only; protocol "
-                                      f"{cfg.protocol!r} applies to the held-out classes ({HELD_OUT!r}).")
     if cfg.class_split:
         ids = class_split(cfg.class_split)[0]
         (x_tr, y_tr), (x_te, y_te) = keep_classes(x_tr, y_tr, ids), keep_classes(x_te, y_te, ids)
@@ -95,13 +93,10 @@ def cache_key(cfg, stage: str, **more) -> str:
     ID training image, or those left after ``n_holdout``: disjoint and unseen-ood share a network); the other
     stages every field but :data:`~mcd_helpers.config.RUN_FIELDS`; plus ``more`` (the OOD set, the strategy)
     and, under torchrun, the world size and SyncBatchNorm."""
-    fields = cfg.to_dict()
-    if stage == "pretrain":
-        held = cfg.protocol != "transductive"
-        fields = {k: fields[k] for k in PRETRAIN_FIELDS if k != "protocol" and (held or k not in ("n_holdout", "split_seed"))}
-        fields["labeled"] = "holdout" if held else "all"
-    else:
-        fields = {k: v for k, v in fields.items() if k not in RUN_FIELDS}
+    fields, held = {k: v for k, v in cfg.to_dict().items() if k not in RUN_FIELDS}, cfg.protocol != "transductive"
+    if stage == "pretrain":  # the protocol reduced to what the labeled set is
+        skip = ("protocol",) if held else ("protocol", "n_holdout", "split_seed")
+        fields = {**{k: fields[k] for k in PRETRAIN_FIELDS if k not in skip}, "labeled": "holdout" if held else "all"}
     if ddp.world()[1] > 1:
         fields.update(world_size=ddp.world()[1], sync_bn=cfg.sync_bn)
     blob = json.dumps({"stage": stage, **fields, **more}, sort_keys=True, default=str)

@@ -22,9 +22,11 @@ def protocol_order(protocols) -> list[str]:
     return sorted(set(protocols), key=lambda p: (PROTOCOLS.index(p) if p in PROTOCOLS else len(PROTOCOLS), p))
 
 
-def _finish(fig, title: str, rect=None, **suptitle_kwargs):
-    """``fig`` with its ``suptitle`` and a tight layout (within ``rect``, figure fractions, when given)."""
-    fig.suptitle(title, **suptitle_kwargs)
+def _finish(fig, title: str | None = None, rect=None, **suptitle_kwargs):
+    """``fig`` with its ``suptitle`` (none when ``title`` is None) and a tight layout (within ``rect``, figure
+    fractions, when given)."""
+    if title is not None:
+        fig.suptitle(title, **suptitle_kwargs)
     fig.tight_layout(rect=rect)
     return fig
 
@@ -53,8 +55,7 @@ def plot_roc_curves(curves: Mapping[str, tuple], title: str = ""):
     ax.plot([0, 100], [0, 100], color="grey", lw=0.8, ls="--")
     ax.set(xlabel="FPR: OOD accepted as ID (%)", ylabel="TPR: ID accepted (%)", title=title, xlim=(0, 100), ylim=(0, 101))
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig
+    return _finish(fig)
 
 
 def plot_history(hist, margin: float | None = None, title: str = ""):
@@ -135,8 +136,7 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     ax.set(xlabel=f"{which}, {NAMES.get(metric, metric)} (percentage points)", ylabel=" / ".join(shown))
     ax.set_title(title or f"Paired differences in {NAMES.get(metric, metric)} ({which}, same seed)", fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    return fig
+    return _finish(fig)
 
 
 def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):

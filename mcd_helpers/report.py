@@ -47,9 +47,9 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
     lines = [[r["id_dataset"] + (f" {r['class_split']}" if r.get("class_split") else ""), r["ood_dataset"], r["method"],
               r["strategy"] or "-", *(f"{100 * r[k]:.2f}" for k in (*METRIC_KEYS, "id_accuracy"))] for r in rows]
     header = ["ID", "OOD", "method", "strategy", "FPR95", "det. error", "AUROC", "AUPR-In", "AUPR-Out", "ID acc."]
-    text = markdown_table(header, lines, "llll" + "r" * 6) + "\n\nAll numbers in %. FPR95 and detection error: lower is better.\n"
-    return text + ("\n**Failed OOD sets** (no rows):\n\n" + "".join(f"- {k}: {v}\n" for k, v in failures.items())
-                   if failures else "")
+    failed = "".join(f"- {k}: {v}\n" for k, v in (failures or {}).items())
+    return (markdown_table(header, lines, "llll" + "r" * 6) + "\n\nAll numbers in %. FPR95 and detection error: lower "
+            "is better.\n" + (f"\n**Failed OOD sets** (no rows):\n\n{failed}" if failed else ""))
 
 
 def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = ("msp", "odin", "energy", "mcd")) -> str:
@@ -139,11 +139,10 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
     if seconds is not None:
         parts.append(f"\nWall time of this run: {seconds / 60:.1f} min (stages found in the cache are not retrained).")
     for task, heading in (("near-ood", "Near-OOD: held-out classes"), ("far-ood", "Far-OOD rows (transductive)")):
-        mine = [r for r in rows if r["task"] == task]
-        if not mine:
-            continue
         summary, paired = benchmark_tables(rows, task)
-        splits, oods = sorted({r["class_split"] for r in mine}), sorted({r["ood_dataset"] for r in mine})
+        if not summary:  # no rows of this task
+            continue
+        splits, oods = sorted({g["class_split"] for g in summary}), sorted({g["ood_dataset"] for g in summary})
         cols = [k for k, many in (("class_split", len(splits) > 1), ("ood_dataset", len(oods) > 1)) if many]
         names = [{"class_split": "split", "ood_dataset": "OOD"}[k] for k in cols]
         parts += ["", f"## {heading}", "", f"Class splits {', '.join(splits)}; OOD: {', '.join(oods)}.", ""]
@@ -184,10 +183,9 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
         atomic_write(Path(folder) / name, buf.getvalue())
 
     atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds))
-    if any(r["task"] == "near-ood" for r in rows):
-        summary, paired = benchmark_tables(rows, "near-ood")
-        if forest_entries(paired):
-            save("forest.png", forest_plot(forest_entries(paired), "auroc", "MCD, held-out classes: paired AUROC "
-                                                                           "differences (same seed)"))
+    summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows
+    if entries := forest_entries(paired):
+        save("forest.png", forest_plot(entries, "auroc", "MCD, held-out classes: paired AUROC differences (same seed)"))
+    if summary:
         save("by_protocol.png", plot_by_protocol([{**g, "method": method_label(g), "strategy": ""} for g in summary
                                                   if g["selection"] == summary[0]["selection"]], "auroc"))

@@ -52,28 +52,26 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
     """
     from filelock import FileLock, Timeout
 
-    out, info, lock = Path(out), {}, FileLock(Path(out) / ".lock")
+    out, lock = Path(out), FileLock(Path(out) / ".lock")
     if resume and fresh:
         raise ConfigError("fresh", "--resume continues the work in --out and --fresh deletes it: pass one.")
 
     def prepare() -> None:
         if out.exists() and not out.is_dir() or not writable(out):
-            raise ConfigError("out", f"--out {out} is {'a file' if out.is_file() else 'not writable'}: choose a "
-                                     "writable folder (it is made if missing).")
+            raise ConfigError("out", f"{out} is {'a file' if out.is_file() else 'not writable'}: use another folder.")
         try:
             lock.acquire(timeout=0)
         except Timeout:
-            raise ConfigError("out", f"another run (PID {_read_run(out).get('pid', '?')}) is using --out {out}: one run "
-                                     "at a time per folder. Wait for it, or choose another --out.") from None
+            raise ConfigError("out", f"another run (PID {_read_run(out).get('pid', '?')}) is using --out {out}: "
+                                     "one run at a time per folder. Wait for it, or choose another --out.") from None
         # what an unfinished run left: stage checkpoints always, finished benchmark cells unless the run finished
         left = sorted(out.glob("checkpoints/**/*.pt"))
         left += [] if _read_run(out).get("status") == "finished" else sorted(out.glob("cells/*.json"))
         if left and not resume and not fresh:
             lock.release()
             shown = ", ".join(str(p.relative_to(out)) for p in left[:4]) + (" ..." if len(left) > 4 else "")
-            raise ConfigError("resume", f"{out} holds the work of an unfinished run ({shown}). Pass --resume to "
-                                        "continue it (same settings), --fresh to delete it and start over, or choose "
-                                        "another --out. Nothing was deleted.")
+            raise ConfigError("resume", f"{out} holds unfinished work ({shown}); nothing was deleted. Pass --resume "
+                                        "to continue it (same settings), --fresh to delete it, or another --out.")
         if fresh:
             if left and not quiet:
                 print(f"--fresh: deleting the earlier run's checkpoints, cells and results in {out}", flush=True)
@@ -83,21 +81,18 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         write_json(out / "run.json", {"status": "running", "pid": os.getpid(), "resumed": resume,
                                       "started": datetime.datetime.now().isoformat(timespec="seconds"), **settings})
 
-    def end(**fields) -> None:
-        if ddp.is_main():
-            write_json(out / "run.json", {**_read_run(out), **fields,
-                                          "updated": datetime.datetime.now().isoformat(timespec="seconds")})
-
     ddp.rank0_first(lambda: prepare() if ddp.is_main() else None)
+    info = {"status": "finished"}  # what run.json gets when the run ends; the run adds to it
     try:
         yield info
     except BaseException as err:
-        end(status="interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed",
-            error=f"{type(err).__name__}: {err}")
+        info = {"status": "interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed",
+                 "error": f"{type(err).__name__}: {err}"}
         raise
-    else:
-        end(**{"status": "finished", **info})
     finally:
+        if ddp.is_main():
+            write_json(out / "run.json", {**_read_run(out), **info,
+                                          "updated": datetime.datetime.now().isoformat(timespec="seconds")})
         if lock.is_locked:
             lock.release()
 
@@ -130,8 +125,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     cfg.check_ood_sets()
     if not {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
             "mps": torch.backends.mps.is_available()}.get(torch.device(cfg.device).type, False):
-        raise ConfigError("device", f"device={cfg.device!r}, but PyTorch sees no such device here; run with "
-                                    "--device cpu (the paper presets default to cuda).")
+        raise ConfigError("device", f"device={cfg.device!r}, but PyTorch sees no such device; run with --device cpu.")
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     cfg = dataclasses.replace(cfg, device=ddp.setup(cfg.device))
@@ -155,14 +149,13 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                 if log:
                     log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
                 continue
-            for r in res.rows:
-                r["world_size"] = ddp.world()[1]
-                if log:
-                    log(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}% | "
-                        f"FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%")
+            if log:
+                log("\n".join(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}%"
+                              f" | FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%"
+                              for r in res.rows))
             if ddp.is_main():
                 _plots(out, ood, cfg.id_dataset, res.scores)
-            rows += res.rows
+            rows += [{**r, "world_size": ddp.world()[1]} for r in res.rows]
         if ddp.is_main():
             from .report import results_markdown
 
@@ -174,7 +167,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(cfg.ood_sets)} OOD sets failed: "
                            + "; ".join(f"{k}: {v}" for k, v in failures.items())
-                           + f". The rows of the others are in {out / 'results.json'}; the failures in run.json and results.md.")
+                           + f". The others' rows are in {out / 'results.json'}; the failures in run.json, results.md.")
     return rows
 
 
@@ -186,7 +179,7 @@ def _plots(out: Path, ood: str, id_dataset: str, scores: dict) -> None:
     from .plots import plot_roc_curves, plot_score_histograms
 
     name = "Fashion-MNIST" if id_dataset == "fashion_mnist" else id_dataset.upper().replace("CIFAR", "CIFAR-")
-    panels = {(f"MCD ({k[4:]})" if k.startswith("mcd:") else f"{'energy' if k == 'energy' else k.upper()} (pre-trained)"): v
+    panels = {f"MCD ({k[4:]})" if k.startswith("mcd:") else f"{k if k == 'energy' else k.upper()} (pre-trained)": v
               for k, v in scores.items()}
     for file, fig in ((f"hist_{ood}.png", plot_score_histograms(panels, f"{name} (ID) vs {ood} (OOD)")),
                       (f"roc_{ood}.png", plot_roc_curves(panels, f"{name} vs {ood}"))):

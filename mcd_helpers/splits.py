@@ -67,8 +67,7 @@ def transductive_split(x_sup: torch.Tensor, y_sup: torch.Tensor, id_x: torch.Ten
                          f"{len(id_x)}/{len(id_y)} ID test.")
     for name, x in (("ID test set", id_x), ("OOD set", ood_x)):
         if len(x) <= n_val:
-            raise ConfigError("n_val", f"n_val={n_val} is too large: the {name} has {len(x)} samples, the first n_val "
-                                       "go to validation and at least one must be left for testing.")
+            raise ConfigError("n_val", f"n_val={n_val} is too large: the {name} has {len(x)} images; lower it.")
     p_id, p_ood = _perm(len(id_x), seed), _perm(len(ood_x), seed)
     test_id_x, test_ood_x = id_x[p_id[n_val:]], ood_x[p_ood[n_val:]]
     return Split(x_sup, y_sup, torch.cat([test_id_x, test_ood_x]), id_x[p_id[:n_val]], id_y[p_id[:n_val]],
@@ -127,8 +126,7 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
     if protocol not in PROTOCOLS:
         raise ConfigError("protocol", f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}.")
     if protocol == "unseen-ood" and far_ood_train is None:
-        raise ConfigError("unlabeled_ood", "protocol 'unseen-ood' takes the unlabeled OOD images from far_ood_train "
-                                           "(digits, noise, ...); pass that tensor.")
+        raise ConfigError("unlabeled_ood", "protocol 'unseen-ood' needs far_ood_train, the unlabeled OOD images.")
     x_id_tr, y_id_tr = keep_classes(x_train, y_train, id_classes)
     x_id_te, y_id_te = keep_classes(x_test, y_test, id_classes)
     x_ood_te = keep_classes(x_test, y_test, ood_classes)[0]

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import random
 import signal
 import threading
@@ -64,11 +63,9 @@ class Batches:
         if not 1 <= batch_size <= n:
             raise ValueError(f"batch_size must be between 1 and the data set's size {n}, got {batch_size}.")
         if batch_size % world_size:
-            raise ValueError(f"the global batch size {batch_size} must be a multiple of the number of processes "
-                             f"{world_size}; choose a batch size divisible by --nproc_per_node.")
-        self.n, self.batch_size, self.seed, self.stream, self.device = n, batch_size, seed, stream, device
-        self.rank, self.world_size, self.per_pass = rank, world_size, n // batch_size
-        self._pass, self._perm = None, None
+            raise ValueError(f"the global batch size {batch_size} must be a multiple of --nproc_per_node={world_size}.")
+        self.n, self.batch_size, self.per_pass, self.seed, self.stream = n, batch_size, n // batch_size, seed, stream
+        self.device, self.rank, self.world_size, self._pass, self._perm = device, rank, world_size, None, None
 
     def permutation(self, p: int) -> torch.Tensor:
         """The order of pass ``p``: a permutation of ``range(n)``, ``(n,)``."""
@@ -172,8 +169,8 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     prefix = "finetune_" if fine else "pretrain_"
     opt = torch.optim.SGD(net.parameters(), **{k: getattr(cfg, prefix + k) for k in ("lr", "momentum", "weight_decay")})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [] if fine else list(cfg.pretrain_milestones), gamma=0.1)
-    place = (lambda t: t.to(cfg.device)) if cfg.data_on_device else (lambda t: t)
-    x_sup, y_sup, x_unsup = place(split.x_sup), place(split.y_sup), place(split.x_unsup)
+    x_sup, y_sup, x_unsup = (t.to(cfg.device) if cfg.data_on_device else t  # the whole training data moved once
+                             for t in (split.x_sup, split.y_sup, split.x_unsup))
     rank, world = ddp.world()
     sup = Batches(len(x_sup), cfg.batch_size_sup if fine else cfg.pretrain_batch_size, cfg.seed,
                   LABELED if fine else PRETRAIN, x_sup.device, rank, world)
@@ -185,7 +182,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     stage = f"fine-tuning ({check_strategy(strategy)})" if fine else "pre-training"
     autocast = lambda: torch.autocast(torch.device(cfg.device).type, torch.bfloat16, enabled=cfg.amp == "bf16")  # noqa: E731
     state = {"stage": stage, "key": key, "epoch": 0, "step": 0, "history": asdict(History()),
-             "best": None, "best_auroc": -math.inf}
+             "best": None, "best_auroc": float("-inf")}
 
     # ---- resume: model, optimizer, scheduler, RNG, position, history, best weights so far ----
     if checkpoint is not None and resume and Path(checkpoint).exists():
@@ -236,21 +233,20 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
                              initial=state["step"], total=steps):
                 idx = sup.batch(epoch, step)
                 xs, ys = _take(x_sup, idx, cfg), y_sup[idx].to(cfg.device)
-                if not fine:  # ---- pre-training step: CE(F1) + CE(F2) ----
+                if official:  # ---- Step A: CE, F2 on detached features ----
                     with autocast():
-                        loss = supervised_loss(*model(xs), ys)
-                    record = [loss.detach()]
-                else:
-                    xu = _take(x_unsup, unsup.batch_at(epoch * steps + step), cfg)
-                    if official:  # ---- Step A: CE, F2 on detached features ----
-                        with autocast():
-                            loss_a = step_a_loss(model, xs, ys)
-                        opt.zero_grad(set_to_none=True)
-                        loss_a.backward()
-                        opt.step()
-                    with autocast():  # ---- Step B: CE on both heads + discrepancy loss, one backward ----
+                        loss_a = step_a_loss(model, xs, ys)
+                    opt.zero_grad(set_to_none=True)
+                    loss_a.backward()
+                    opt.step()
+                with autocast():
+                    if fine:  # ---- Step B: CE on both heads + discrepancy loss on an unlabeled batch ----
+                        xu = _take(x_unsup, unsup.batch_at(epoch * steps + step), cfg)
                         loss, parts = step_b_loss(model, xs, ys, xu, strategy, cfg.margin)
-                    record = [parts["ce"], parts["dis"], parts["gap"]] + ([loss_a.detach()] if official else [])
+                        record = [parts["ce"], parts["dis"], parts["gap"]] + ([loss_a.detach()] if official else [])
+                    else:  # ---- pre-training step: CE(F1) + CE(F2) ----
+                        loss = supervised_loss(*model(xs), ys)
+                        record = [loss.detach()]
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
@@ -275,9 +271,9 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
                 if on_epoch is not None:
                     on_epoch(epoch, hist)
             save(epoch + 1, 0)
-            if flag["signal"]:
-                raise TrainingInterrupted(f"{signal.Signals(flag['signal']).name} at the end of {desc}; saved in "
-                                          f"{checkpoint}.", flag["signal"])
+            if signum := ddp.reduce_max(flag["signal"], cfg.device):  # agreed: no rank goes on alone
+                raise TrainingInterrupted(f"{signal.Signals(signum).name} at the end of {desc}; saved in "
+                                          f"{checkpoint}.", signum)
             state["step"] = 0
     last = {k: v.detach().clone() for k, v in net.state_dict().items()}
     return {"history": hist, "best": state["best"] if state["best"] is not None else last, "last": last}

@@ -124,7 +124,7 @@ H_SUP, H_UNSUP = two_batches()
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", "0.1"), "momentum must be a number.*got '0.1'"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", True), "momentum must be a number.*got True"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP[:, :2], "separate"),
-     r"h_sup \(6, 3, 4, 4\) and h_unsup \(5, 2, 4, 4\) must agree but in the batch size"),
+     r"h_sup \(6, 3, 4, 4\) and h_unsup \(5, 2, 4, 4\) must agree but in batch size"),
     (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "separate", eps=-1.0), "eps must be a finite number >= 0.*got -1.0"),
     (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "separate", eps=float("inf")), "eps must be a finite number"),
     (lambda: bn_stats.ema_fixed_point([], 0.1), "values must hold at least one update per step"),
@@ -145,7 +145,7 @@ def test_formulas_refuse_undefined_cases(call, match):
 
 
 @pytest.mark.parametrize("h, match", [
-    (torch.zeros(1, 3), r"fewer than 2 values per channel \(shape \(1, 3\)\): its unbiased variance is undefined"),
+    (torch.zeros(1, 3), r"\(1, 3\) has fewer than 2 values per channel: no unbiased variance"),
     (torch.zeros(0, 3, 4, 4), "fewer than 2 values per channel"),
     (torch.zeros(4, 3, 0, 2), "fewer than 2 values per channel"),
     (torch.zeros(4, 0), r"floating BatchNorm input of shape \(N, C, \*spatial\), got torch.float32 \(4, 0\)"),

@@ -41,12 +41,13 @@ def test_flags_override_the_preset_parse_their_types_and_switch():
     (["--checkpoint-every", "-1"], "--checkpoint-every: checkpoint_every must be a finite number >= 0"),
     (["--margin", "inf"], "--margin: margin must be a finite number >= 0.0"),
     (["--finetune-lr", "-0.1"], "--finetune-lr: finetune_lr must be a number > 0"),
-    (["--model", "densenet_bc_100", "--norm", "group"], "--norm: norm='group' applies to small_cnn only"),
+    (["--model", "densenet_bc_100", "--norm", "group"], "--norm: norm='group' is for small_cnn only"),
     (["--strategies", "split-bn", "--norm", "none"], "--strategies: strategies split-bn and recalibrate"),
     (["--sync-bn"], "--sync-bn: --sync-bn needs GPUs"),
     (["--ood-sets", "digits, foo"], "--ood-sets: unknown OOD set(s) ['foo'] for fashion_mnist"),
     (["--protocol", "disjoint"], "--protocol: protocol 'disjoint' needs a class_split"),
-    (["--class-split", "a", "--protocol", "disjoint", "--ood-sets", "digits"], "--ood-sets: protocol 'disjoint' applies to"),
+    (["--class-split", "a", "--protocol", "disjoint", "--ood-sets", "digits"],
+     "--ood-sets: protocol 'disjoint' is for the held-out classes only"),
     (["--preset", "nope"], "unknown preset 'nope'; known presets: quick"),
     (["--resume", "--fresh"], "--fresh: --resume continues the work in --out and --fresh deletes it"),
 ])
@@ -60,7 +61,7 @@ def test_settings_that_cannot_work_exit_2_before_any_work(flags, message, capsys
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the error of a machine without a GPU")
 def test_cuda_without_a_gpu_is_refused_before_loading_data(capsys, tmp_path, no_data):
     assert main(["reproduce", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
-    assert "--device: device='cuda', but PyTorch sees no such device here; run with --device cpu" in capsys.readouterr().err
+    assert "--device: device='cuda', but PyTorch sees no such device; run with --device cpu" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["reproduce", "benchmark"])
@@ -74,7 +75,7 @@ def test_out_is_required_and_presets_are_listed(command, capsys):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--seeds", "1"], "--seeds: seeds must be an integer from 2"),
+    (["--seeds", "1"], "--seeds: seeds must be an integer in [2, 5]"),
     (["--protocols", "transductive,nope"], "--protocols: protocols ['transductive', 'nope']: give each value once"),
     (["--class-splits", "a,012345/6789"], "--class-splits: class splits ['a', '012345/6789']"),
     (["--preset", "nope"], "--preset: unknown benchmark preset 'nope'"),

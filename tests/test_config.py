@@ -53,8 +53,8 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
 
 
 @pytest.mark.parametrize("kw, field, match", [
-    (dict(pretrain_lr=0.0), "pretrain_lr", "pretrain_lr must be a number > 0"),
-    (dict(pretrain_lr="0.1"), "pretrain_lr", "pretrain_lr must be a number > 0"),
+    (dict(pretrain_lr=0.0), "pretrain_lr", "pretrain_lr must be a number > 0, got 0.0"),
+    (dict(pretrain_lr="0.1"), "pretrain_lr", "pretrain_lr must be a number > 0, got '0.1'"),
     (dict(finetune_lr=-0.1), "finetune_lr", "finetune_lr must be a number > 0"),
     (dict(finetune_lr=float("inf")), "finetune_lr", "finetune_lr must be a number > 0"),
     (dict(seed=2**32), "seed", r"seed must be below 2\*\*32"),
@@ -65,14 +65,15 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
     (dict(strategies=()), "strategies", "strategies must be a non-empty subset of"),
     (dict(strategies=("separate", "mixed")), "strategies", r"non-empty subset of \('separate', 'concat', 'split-bn', "
                                                            r"'recalibrate'\), got \('separate', 'mixed'\)"),
-    (dict(norm="group", strategies=("split-bn",)), "strategies", "split-bn and recalibrate .* need norm='batch'; with "
+    (dict(norm="group", strategies=("split-bn",)), "strategies", "split-bn and recalibrate need norm='batch'; with "
                                                                   "norm='group' use separate or concat"),
     (dict(norm="none", strategies=("recalibrate",)), "strategies", "need norm='batch'"),
-    (dict(model="densenet_bc_100", norm="group"), "norm", "norm='group' applies to small_cnn only"),
+    (dict(model="densenet_bc_100", norm="group"), "norm", "norm='group' is for small_cnn only"),
     (dict(sync_bn=True), "sync_bn", "--sync-bn needs GPUs .*got device 'cpu'"),
     (dict(pretrain_milestones=(2, -1)), "pretrain_milestones", "milestones must be epochs >= 0"),
     (dict(ood_sets=()), "ood_sets", "name at least one OOD set"),
-    (dict(id_dataset="cifar10", class_split="a"), "class_split", "class_split needs fashion_mnist"),
+    (dict(id_dataset="cifar10", class_split="a"), "class_split",
+     "class_split needs fashion_mnist, got id_dataset 'cifar10'"),
     (dict(protocol="disjoint"), "protocol", "protocol 'disjoint' needs a class_split"),
     (dict(odin_temperatures=()), "odin_temperatures", "ODIN's grid needs temperatures > 0"),
     (dict(odin_temperatures=(1.0, 0.0)), "odin_temperatures", "ODIN's grid needs temperatures > 0"),
@@ -104,7 +105,7 @@ def test_check_ood_sets():
         (MCDConfig(ood_sets=("heldout",)), r"\['heldout'\] for fashion_mnist"),  # no class_split: no held-out classes
         (MCDConfig(id_dataset="cifar10", ood_sets=("digits",)), "for cifar10; choose from Imagenet, Imagenet_resize"),
         (MCDConfig(class_split="a", protocol="unseen-ood", ood_sets=("heldout", "gaussian")),
-         r"protocol 'unseen-ood' applies to the held-out classes only; OOD set\(s\) \['gaussian'\] run under the "
+         r"protocol 'unseen-ood' is for the held-out classes only; OOD set\(s\) \['gaussian'\] run under the "
          "transductive protocol. Pass --ood-sets heldout."),
     ]:
         with pytest.raises(ConfigError, match=match) as err:

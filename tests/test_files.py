@@ -130,7 +130,8 @@ def test_a_damaged_state_file_is_named(tmp_path, damage):
     path = tmp_path / "s.pt"
     save_state(path, {"w": torch.zeros(100)})
     path.write_bytes(damage(path.read_bytes()))
-    with pytest.raises(RuntimeError, match=f"{path} cannot be read as a checkpoint .*cut short.*Delete it to compute"):
+    with pytest.raises(RuntimeError, match=f"{path} cannot be read as a checkpoint .*cut short.*"
+                                           "Delete it to recompute"):
         load_state(path)
 
 

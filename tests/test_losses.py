@@ -60,9 +60,9 @@ def test_supervised_loss_takes_any_integer_label_dtype(dtype):
 @pytest.mark.parametrize("args, error, match", [
     ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0, 3])), ValueError, r"labels must lie in \[0, 3\).*got \[3\]"),
     ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([-1, 0])), ValueError, r"\[0, 3\).*got \[-1\].*OOD samples"),
-    ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0.0, 1.0])), ValueError, "integer tensor of class indices"),
-    ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([True, False])), ValueError, "integer tensor.*torch.bool"),
-    ((torch.zeros(2, 3), torch.zeros(2, 3), [0, 1]), ValueError, "integer tensor of class indices"),
+    ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0.0, 1.0])), ValueError, "a tensor of integer class labels"),
+    ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([True, False])), ValueError, "integer class labels.*torch.bool"),
+    ((torch.zeros(2, 3), torch.zeros(2, 3), [0, 1]), ValueError, "a tensor of integer class labels"),
     ((torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0, 1, 2])), ValueError, r"targets must have shape \(2,\).*got \(3,\)"),
     ((torch.zeros(2, 3), torch.zeros(2, 4), torch.tensor([0, 1])), ValueError, r"the two heads alike; got \[\(2, 3\), \(2, 4\)\]"),
     ((torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)), ValueError, "empty batch"),

@@ -151,12 +151,12 @@ same = lambda xs, ys, xu: (xs, ys, xu)  # noqa: E731
 
 @pytest.mark.parametrize("model, inputs, kwargs, error, match", [
     (Two(), same, dict(schedule="interleave"), ValueError, r"schedule must be one of \('concat', 'separate'.*'interleave'"),
-    (Two(), same, dict(repeats=-1), ValueError, "repeats must be an integer >= 0, got -1"),
-    (Two(), same, dict(repeats=1.5), ValueError, "repeats must be an integer >= 0, got 1.5"),
+    (Two(), same, dict(repeats=-1), ValueError, "repeats an integer >= 0; got 'separate', repeats=-1"),
+    (Two(), same, dict(repeats=1.5), ValueError, "repeats an integer >= 0; got 'separate', repeats=1.5"),
     (Two(), lambda xs, ys, xu: (xs.numpy(), ys, xu), {}, TypeError, "x_sup, y_sup and x_unsup must be torch.Tensors"),
     (Two(), lambda xs, ys, xu: (xs, ys, xu[:, :5]), {}, ValueError,
-     r"x_sup \(20, 6\) and x_unsup \(12, 5\) must agree but in the batch size"),
-    (Two().requires_grad_(False), same, {}, ValueError, r"the model \(Two\) has no parameter that requires a gradient"),
+     r"x_sup \(20, 6\) and x_unsup \(12, 5\) must agree but in batch size"),
+    (Two().requires_grad_(False), same, {}, ValueError, r"the model \(Two\) has no parameter with requires_grad=True"),
     *[(OneHead(), same, dict(schedule=s), TypeError, r"return \(logits1, logits2\), the outputs of F1 and F2")
       for s in ("concat", "separate", "per_part_late", "per_part")],
 ])

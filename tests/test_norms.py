@@ -146,9 +146,9 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
     (lambda: PerSourceBatchNorm(3, num_sources=0), "num_sources must be >= 1, got 0"),
     (lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, affine=False)), "affine=False.*needs affine=True"),
     (lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False)),
-     "cannot get per-source statistics: it needs affine=True and track_running_stats=True"),
+     "cannot get per-source statistics: needs affine=True and track_running_stats=True"),
     (lambda: per_source_batchnorm(nn.Sequential(nn.Linear(2, 2))), "the model has no BatchNorm layer"),
-    (lambda: use_source(net(), 0).__enter__(), r"needs a model with PerSourceBatchNorm layers: convert it with "
+    (lambda: use_source(net(), 0).__enter__(), r"use_source needs PerSourceBatchNorm layers: convert with "
                                                r"per_source_batchnorm\(model\)"),
     (lambda: use_source(per_source_batchnorm(net()), 2).__enter__(), r"source must be in \[0, 2\), got 2"),
     (lambda: use_source(per_source_batchnorm(net()), -1).__enter__(), r"source must be in \[0, 2\), got -1"),

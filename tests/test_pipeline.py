@@ -120,9 +120,9 @@ def test_the_held_out_classes_are_the_test_ood_set_under_each_protocol(data, pro
 
 
 @pytest.mark.parametrize("cfg, ood, field, match", [
-    (TINY, "heldout", "class_split", r"the OOD set 'heldout' \(held-out classes\) needs a class split: pass --class-split"),
+    (TINY, "heldout", "class_split", r"OOD set 'heldout' needs a class split: --class-split a, b, c or 012345/6789\."),
     (dataclasses.replace(TINY, class_split="a", protocol="disjoint"), "gaussian", "protocol",
-     r"the OOD set 'gaussian' runs under the transductive protocol only; protocol 'disjoint' applies to the held-out"),
+     r"'gaussian' needs --protocol transductive; 'disjoint' is for 'heldout' only\."),
 ])
 def test_make_split_refuses_what_cannot_be_split(data, cfg, ood, field, match):
     with pytest.raises(ConfigError, match=match) as err:

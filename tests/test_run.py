@@ -56,7 +56,7 @@ def test_unfinished_work_stops_a_run_without_resume_or_fresh_and_fresh_deletes_i
     (out / "results.md").write_text("an earlier run's results")
     assert reproduce(out) == 2
     err = capsys.readouterr().err
-    assert "--resume:" in err and "checkpoints/pretrain.pt" in err and "Nothing was deleted." in err
+    assert "--resume:" in err and "checkpoints/pretrain.pt" in err and "nothing was deleted." in err
     assert left.read_bytes() == b"an unfinished stage" and (out / "results.md").exists()
     assert reproduce(out, "--fresh") == 0
     assert not left.exists() and "an earlier run" not in (out / "results.md").read_text()
@@ -119,7 +119,7 @@ def test_an_out_folder_that_cannot_be_written_fails_before_training(how, tmp_pat
     else:
         monkeypatch.setattr("mcd_helpers.run.writable", lambda folder: Path(folder) != out)
     assert reproduce(out) == 2
-    assert f"--out: --out {out} is {'a file' if how == 'a file' else 'not writable'}" in capsys.readouterr().err
+    assert f"--out: {out} is {'a file' if how == 'a file' else 'not writable'}" in capsys.readouterr().err
 
 
 def test_a_read_only_data_folder_sends_the_caches_to_the_fallback(tmp_path, cache, monkeypatch, capsys):

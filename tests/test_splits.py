@@ -58,10 +58,10 @@ def test_transductive_split_follows_the_official_permutation(n_val, seed):
 
 def test_transductive_split_errors():
     z = torch.zeros
-    with pytest.raises(ConfigError, match="n_val=1000 is too large: the ID test set has 1000 samples") as err:
+    with pytest.raises(ConfigError, match="n_val=1000 is too large: the ID test set has 1000 images; lower it") as err:
         transductive_split(z(5, 1, 2, 2), z(5).long(), z(1000, 1, 2, 2), z(1000).long(), z(2000, 1, 2, 2))
     assert err.value.field == "n_val"
-    with pytest.raises(ConfigError, match="n_val=10 is too large: the OOD set has 10 samples"):
+    with pytest.raises(ConfigError, match="n_val=10 is too large: the OOD set has 10 images"):
         transductive_split(z(5, 1, 2, 2), z(5).long(), z(20, 1, 2, 2), z(20).long(), z(10, 1, 2, 2), n_val=10)
     with pytest.raises(ValueError, match="images and labels differ in length: 5/5 labeled, 20/19 ID test"):
         transductive_split(z(5, 1, 2, 2), z(5).long(), z(20, 1, 2, 2), z(19).long(), z(30, 1, 2, 2), n_val=10)
@@ -185,15 +185,15 @@ def test_the_split_follows_the_seed(protocol):
 
 @pytest.mark.parametrize("kw, field, match", [
     (dict(protocol="inductive"), "protocol", "unknown protocol 'inductive'; choose from transductive, disjoint, unseen-ood"),
-    (dict(protocol="unseen-ood", far=None), "unlabeled_ood", "'unseen-ood' takes the unlabeled OOD images from "
-                                                             "far_ood_train .* pass that tensor"),
+    (dict(protocol="unseen-ood", far=None), "unlabeled_ood", "'unseen-ood' needs far_ood_train, the unlabeled "
+                                                             "OOD images"),
     (dict(n_holdout=60), "n_holdout", "n_holdout=60 must be >= 1 and below the 60 ID-class training images"),
     (dict(n_holdout=0), "n_holdout", "n_holdout=0 must be >= 1"),
     (dict(n_val=13, n_holdout=20), "n_val", "n_val=13 is too large: the unlabeled pool has 20 ID and 13 OOD images"),
     (dict(n_val=20, n_holdout=20), "n_val", "the unlabeled pool has 20 ID and 13 OOD"),
     (dict(protocol="unseen-ood", n_val=30, n_holdout=50), "n_val", "the unlabeled pool has 50 ID and 30 OOD"),
-    (dict(protocol="transductive", n_val=40), "n_val", "n_val=40 is too large: the OOD set has 40 samples"),
-    (dict(n_val=60, n_holdout=50), "n_val", "n_val=60 is too large: the ID test set has 60 samples"),
+    (dict(protocol="transductive", n_val=40), "n_val", "n_val=40 is too large: the OOD set has 40 images"),
+    (dict(n_val=60, n_holdout=50), "n_val", "n_val=60 is too large: the ID test set has 60 images"),
 ])
 def test_protocol_split_errors(kw, field, match):
     kw = dict(kw)

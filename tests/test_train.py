@@ -103,7 +103,7 @@ def test_the_ranks_shares_are_disjoint_and_make_up_the_single_process_batch(n, b
     (dict(n=5, batch_size=8), ValueError, r"batch_size must be between 1 and the data set's size 5, got 8"),
     (dict(n=5, batch_size=0), ValueError, r"between 1 and the data set's size 5, got 0"),
     (dict(n=50, batch_size=10, world_size=4), ValueError,
-     r"global batch size 10 must be a multiple of the number of processes 4"),
+     r"the global batch size 10 must be a multiple of --nproc_per_node=4\."),
 ])
 def test_batches_refuse_bad_sizes(kwargs, err, match):
     with pytest.raises(err, match=match):
