@@ -22,7 +22,7 @@ import mcd_helpers.data as data
 from mcd_helpers.data import (DataNotFoundError, data_present, infinite_loader, load_id, load_ood, odin_noise,
                               pixel_std, read_idx)
 
-FM_MEAN, FM_STD = 0.2860, 0.3530  # the docstrings' Fashion-MNIST statistics (checked on the real data below)
+FM_MEAN, FM_STD = 0.2860, 0.3530  # the docstrings' Fashion-MNIST statistics (checked on the raw pixels below)
 CIFAR_MEAN = np.array([125.3, 123.0, 113.9]) / 255
 CIFAR_STD = np.array([63.0, 62.1, 66.7]) / 255
 PHI_MINUS_HALF = 0.5 * math.erfc(0.5 / math.sqrt(2))  # P(Z < -0.5) = 0.3085: clamp(N(0.5, 1), 0, 1) at 0 (and at 1)
@@ -241,6 +241,15 @@ def test_real_fashion_mnist(tmp_data_dir):
         first = np.frombuffer(f.read(16 + 784), np.uint8)[16:].reshape(28, 28).copy()
     torch.testing.assert_close(x[0, 0], normalised(first[None])[0, 0])
     assert len(y) == 10_000 and y[0].item() == 9  # the first test image is an ankle boot
+
+
+@pytest.mark.skipif(not REAL_FMNIST.exists(), reason="dataset-fashion-mnist not installed")
+def test_normalisation_constants_are_the_training_pixels_statistics():
+    # notebook 01's claim, from the raw bytes of the Debian package (numpy and gzip, not the package's reader)
+    with gzip.open(REAL_FMNIST / "train-images-idx3-ubyte.gz") as f:
+        pixels = np.frombuffer(f.read(), np.uint8)[16:] / 255.0  # 60,000 x 784 values in [0, 1]
+    assert pixels.size == 60_000 * 784
+    assert abs(pixels.mean() - data.FMNIST_MEAN) < 5e-5 and abs(pixels.std() - data.FMNIST_STD) < 5e-5
 
 
 # ---- MNIST, the fifth Fashion-MNIST OOD set ---------------------------------------------------------------
