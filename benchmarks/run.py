@@ -22,9 +22,8 @@ the rounds; ``helper_over_raw`` = median over the rounds of the ratio of the two
 speeds, so load that drifts over the run cancels. Timing: CUDA events on GPU; on CPU
 ``time.perf_counter`` (wall), or with ``--clock cpu`` the process's CPU time, which other jobs on
 a shared machine do not inflate (with one thread; more threads spin while they wait). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over a block minus the
-memory allocated before it; on CPU the peak of the tensor memory allocated during one iteration
-peak of the bytes autograd saves for backward (the activations) during one iteration,
-by the notebooks' own meter, :class:`mcd_helpers.memory.SavedTensorMeter` (parameters and inputs
+memory allocated before it; on CPU the peak of the bytes autograd saves for backward (the
+activations) during one iteration, by the notebooks' own meter, :class:`mcd_helpers.memory.SavedTensorMeter` (parameters and inputs
 not counted).
 """
 from __future__ import annotations
