@@ -120,7 +120,10 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
         return asked
 
     splits = tuple(p.class_splits if class_splits is None else class_splits)
-    classes = [class_split(s) for s in splits]  # ConfigError for unknown or malformed splits
+    try:
+        classes = [class_split(s) for s in splits]
+    except ConfigError as err:  # unknown or malformed: named by this command's flag
+        raise ConfigError("class_splits", str(err)) from None
     if not splits or len(set(classes)) < len(classes):
         raise ConfigError("class_splits", f"class splits {list(splits)}: give one or more, each once under one name.")
     chosen = subset("strategies", strategies, STRATEGIES)

@@ -136,8 +136,10 @@ class MCDConfig:
              f"class_split needs fashion_mnist, got id_dataset {self.id_dataset!r}"),
             ("protocol", self.protocol == "transductive" or self.class_split,
              f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
-            ("odin_temperatures", min(self.odin_temperatures, default=0) > 0, "ODIN's grid needs temperatures > 0"),
-            ("odin_epsilons", min(self.odin_epsilons, default=-1) >= 0, "ODIN's grid needs epsilons >= 0"),
+            ("odin_temperatures", self.odin_temperatures and all(0 < t < math.inf for t in self.odin_temperatures),
+             f"ODIN's grid needs finite temperatures > 0, got {self.odin_temperatures}"),
+            ("odin_epsilons", self.odin_epsilons and all(0 <= e < math.inf for e in self.odin_epsilons),
+             f"ODIN's grid needs finite epsilons >= 0, got {self.odin_epsilons}"),
             ("ood_size", self.ood_size * (784 if self.id_dataset == "fashion_mnist" else 3072) * 12 < _memory() / 2,
              f"ood_size={self.ood_size:,} generated images need more than half of this machine's memory"),
         ]

@@ -175,7 +175,8 @@ def normalize_cifar(x: torch.Tensor) -> torch.Tensor:
 
 def _archive(folder: str, filename: str, md5: str, url: str, what: str) -> Path:
     """The root holding ``folder``; when no root does, the MD5-checked archive (found, else downloaded)
-    is extracted into :func:`cache_dir`. Raises DataNotFoundError naming the file, its MD5 and the URL."""
+    is extracted into a private folder of :func:`cache_dir` and renamed into place (never seen half-written).
+    Raises DataNotFoundError naming the file, its MD5 and the URL."""
     if found := next((root for root in _roots() if (root / folder).is_dir()), None):
         return found
     from torchvision.datasets.utils import check_integrity, download_and_extract_archive
@@ -184,7 +185,10 @@ def _archive(folder: str, filename: str, md5: str, url: str, what: str) -> Path:
     if src is not None and not check_integrity(str(src / filename), md5):
         raise DataNotFoundError(f"{src / filename} is corrupt (MD5 not {md5}); delete it and download {url} again.")
     try:
-        download_and_extract_archive(url, src or cache_dir(), extract_root=cache_dir(), filename=filename, md5=md5)
+        with tempfile.TemporaryDirectory(prefix=".partial-", dir=cache_dir()) as tmp:
+            download_and_extract_archive(url, src or tmp, extract_root=tmp, filename=filename, md5=md5)
+            if not (cache_dir() / folder).is_dir():  # another run may have put it there meanwhile
+                os.replace(Path(tmp) / folder, cache_dir() / folder)
     except Exception as err:
         raise DataNotFoundError(f"{what} was not found: looked for {folder}/ and {filename} in "
                                 f"{', '.join(map(str, _roots()))}; fetching {url} failed ({type(err).__name__}: {err})."

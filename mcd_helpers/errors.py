@@ -2,7 +2,7 @@
 
 Everything else raises Python's own classes with a message that says what is wrong and how to fix
 it: ``ValueError``/``TypeError`` for bad arguments, ``FloatingPointError`` for a diverged loss,
-``PermissionError`` for a folder that cannot be written, ``RuntimeError`` for a broken checkpoint.
+``PermissionError`` for a folder that cannot be written.
 """
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ class ConfigError(ValueError):
 
 class DataNotFoundError(FileNotFoundError):
     """A data set is missing or damaged; the message names where it looked and the fix."""
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint or cached network that cannot be read or does not fit; the message names the file and the fix."""
 
 
 class TrainingInterrupted(RuntimeError):

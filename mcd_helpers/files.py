@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import CheckpointError
+
 
 def atomic_write(path: Path, data: bytes | str) -> None:
     """Write ``data`` (str as UTF-8) to ``path`` via a temporary file, ``fsync`` and a rename.
@@ -57,11 +59,11 @@ def load_state(path: Path) -> dict:
     """A file of :func:`save_state`, onto the CPU, with ``weights_only=True``.
 
     Raises:
-        RuntimeError: the file is cut short, not a checkpoint or holds other objects; the message
+        CheckpointError: the file is cut short, not a checkpoint or holds other objects; the message
             names it and says to delete it.
     """
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise RuntimeError(f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err)[:200]}): cut short"
+        raise CheckpointError(f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err)[:200]}): cut short"
                            " or foreign (loading other objects could run code). Delete it to recompute it.") from err

@@ -29,7 +29,7 @@ from . import ddp
 from .baselines import odin_scores, tune_odin
 from .config import HELD_OUT, PRETRAIN_FIELDS, RUN_FIELDS, SELECTIONS
 from .data import cache_dir, data_dir, load_id, load_ood, pixel_std
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .files import load_state, save_state
 from .forwards import check_strategy
 from .losses import discrepancy_score, energy_score, msp_score
@@ -77,13 +77,13 @@ def make_split(cfg, data: Data, ood: str) -> Split:
         raise ConfigError("protocol", f"{ood!r} needs --protocol transductive; {cfg.protocol!r} is for 'heldout' only.")
     (x_tr, y_tr), (x_te, y_te) = (data.x_train, data.y_train), (data.x_test, data.y_test)
     if ood == HELD_OUT:
-        far = load_ood(cfg.unlabeled_ood, cfg.ood_size, cfg.seed + 1, cfg.id_dataset) if cfg.protocol == "unseen-ood" else None
+        far = ddp.rank0_first(lambda: load_ood(cfg.unlabeled_ood, cfg.ood_size, cfg.seed + 1, cfg.id_dataset)) if cfg.protocol == "unseen-ood" else None
         return protocol_split(cfg.protocol, x_tr, y_tr, x_te, y_te, *class_split(cfg.class_split), n_val=cfg.n_val,
                               seed=cfg.split_seed, n_holdout=cfg.n_holdout, far_ood_train=far)
     if cfg.class_split:
         ids = class_split(cfg.class_split)[0]
         (x_tr, y_tr), (x_te, y_te) = keep_classes(x_tr, y_tr, ids), keep_classes(x_te, y_te, ids)
-    ood_x = load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset)
+    ood_x = ddp.rank0_first(lambda: load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset))  # rank 0 downloads
     return transductive_split(x_tr, y_tr, x_te, y_te, ood_x, cfg.n_val, cfg.split_seed)
 
 
@@ -147,7 +147,7 @@ def pretrained(cfg, split: Split, retrain: bool | set = False, progress: bool = 
     ``set_seed(cfg.seed)`` (checkpoints in ``checkpoint_dir/pretrain.pt``). A plain model on the CPU.
 
     Raises:
-        RuntimeError: the cached file holds another architecture (the message says ``--retrain``); what
+        CheckpointError: the cached file holds another architecture (the message says ``--retrain``); what
             :func:`~mcd_helpers.train.train` raises.
     """
     ckpt = None if checkpoint_dir is None else Path(checkpoint_dir) / "pretrain.pt"
@@ -164,7 +164,7 @@ def pretrained(cfg, split: Split, retrain: bool | set = False, progress: bool = 
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as err:  # another architecture or width in the cached file
-        raise RuntimeError(f"the cached network {state.get('loaded_from')} does not fit {cfg.model} (norm={cfg.norm}, "
+        raise CheckpointError(f"the cached network {state.get('loaded_from')} does not fit {cfg.model} (norm={cfg.norm}, "
                            f"{split.x_sup.shape[1]} channels, {int(split.y_sup.max()) + 1} classes): "
                            f"{str(err).splitlines()[0]} Pass --retrain (retrain=True) to train it again.") from err
     return model
@@ -176,6 +176,8 @@ def selected_epoch(hist: History, selection: str, upto: int | None = None) -> in
     if selection not in SELECTIONS:
         raise ConfigError("selection", f"selection must be one of {', '.join(SELECTIONS)}, got {selection!r}.")
     upto = len(hist.val_auroc) - 1 if upto is None else upto
+    if not 0 <= upto < len(hist.val_auroc):
+        raise ValueError(f"epoch {upto} is not in the history's {len(hist.val_auroc)} validated epochs.")
     return upto if selection == "last-epoch" else max(range(upto + 1), key=lambda i: (hist.val_auroc[i], -i))
 
 

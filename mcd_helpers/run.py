@@ -27,7 +27,7 @@ import torch
 from . import ddp
 from .config import MCDConfig
 from .data import cache_dir, data_dir, writable
-from .errors import ConfigError, TrainingInterrupted
+from .errors import CheckpointError, ConfigError, TrainingInterrupted
 from .files import atomic_write, write_json
 from .pipeline import load_data, make_split, run_ood_set
 
@@ -81,8 +81,13 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         write_json(out / "run.json", {"status": "running", "pid": os.getpid(), "resumed": resume,
                                       "started": datetime.datetime.now().isoformat(timespec="seconds"), **settings})
 
-    ddp.rank0_first(lambda: prepare() if ddp.is_main() else None)
     info = {"status": "finished"}  # what run.json gets when the run ends; the run adds to it
+    try:
+        ddp.rank0_first(lambda: prepare() if ddp.is_main() else None)
+    except BaseException:
+        if lock.is_locked:  # taken, then a deletion or a write failed: free the folder again
+            lock.release()
+        raise
     try:
         yield info
     except BaseException as err:
@@ -90,11 +95,13 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
                  "error": f"{type(err).__name__}: {err}"}
         raise
     finally:
-        if ddp.is_main():
-            write_json(out / "run.json", {**_read_run(out), **info,
-                                          "updated": datetime.datetime.now().isoformat(timespec="seconds")})
-        if lock.is_locked:
-            lock.release()
+        try:
+            if ddp.is_main():
+                write_json(out / "run.json", {**_read_run(out), **info,
+                                              "updated": datetime.datetime.now().isoformat(timespec="seconds")})
+        finally:
+            if lock.is_locked:
+                lock.release()
 
 
 def check_split(cfg, split, name: str) -> None:
@@ -119,10 +126,14 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     Raises:
         ConfigError: a setting that cannot work (before any training; ``field`` names it).
         DataNotFoundError: the ID data or an OOD set cannot be had (before training).
-        RuntimeError: some OOD sets failed after others were done (their rows are written), or a
-            checkpoint is unreadable. FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
+        RuntimeError: some OOD sets failed after others were done (their rows are written).
+        CheckpointError: a checkpoint or cached network is unreadable or does not fit. FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
     """
     cfg.check_ood_sets()
+    try:
+        torch.device(cfg.device)
+    except RuntimeError:
+        raise ConfigError("device", f"device={cfg.device!r} is not a device name; use cpu, cuda or cuda:0.") from None
     if not {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
             "mps": torch.backends.mps.is_available()}.get(torch.device(cfg.device).type, False):
         raise ConfigError("device", f"device={cfg.device!r}, but PyTorch sees no such device; run with --device cpu.")
@@ -143,7 +154,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                 res = run_ood_set(cfg, data, ood, retrain=retrained, progress=progress and not quiet, log=log,
                                   checkpoint_dir=out / "checkpoints", resume=resume)
             except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
-                if isinstance(err, (ConfigError, FloatingPointError, RuntimeError)) or ddp.world()[1] > 1:
+                if isinstance(err, (ConfigError, FloatingPointError, TrainingInterrupted, CheckpointError)) or ddp.world()[1] > 1:
                     raise  # the run cannot go on (resume, or fix the setting), or the ranks may be out of step
                 failures[ood] = f"{type(err).__name__}: {err}"
                 if log:

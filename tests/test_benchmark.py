@@ -39,7 +39,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
      r"strategies \['separate', 'mixup'\]: give each value once, from separate, concat, split-bn, recalibrate\."),
     (dict(strategies=["concat", "concat"]), "strategies", r"give each value once"),
     (dict(selections=["oracle"]), "selections", r"selections \['oracle'\]: give each value once, from ood-labels, last-epoch\."),
-    (dict(class_splits=["z"]), "class_split", r"unknown class split 'z'; give a known name or the ID and OOD class digits"),
+    (dict(class_splits=["z"]), "class_splits", r"unknown class split 'z'; give a known name or the ID and OOD class digits"),
     (dict(class_splits=["a", "012345/6789"]), "class_splits",
      r"class splits \['a', '012345/6789'\]: give one or more, each once under one name\."),
     (dict(class_splits=[]), "class_splits", r"class splits \[\]: give one or more"),

@@ -62,6 +62,8 @@ def test_settings_that_cannot_work_exit_2_before_any_work(flags, message, capsys
 def test_cuda_without_a_gpu_is_refused_before_loading_data(capsys, tmp_path, no_data):
     assert main(["reproduce", "--out", str(tmp_path / "o"), "--device", "cuda"]) == 2
     assert "--device: device='cuda', but PyTorch sees no such device; run with --device cpu" in capsys.readouterr().err
+    assert main(["reproduce", "--out", str(tmp_path / "o"), "--device", "gpu"]) == 2  # not a device name at all
+    assert "--device: device='gpu' is not a device name; use cpu, cuda or cuda:0." in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["reproduce", "benchmark"])
