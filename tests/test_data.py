@@ -395,6 +395,22 @@ def test_an_odin_archive_is_md5_checked_extracted_and_read_in_imagefolder_order(
     assert (tmp_data_dir / "Imagenet" / "c" / "1.png").is_file()  # extracted into the cache (the data folder here)
 
 
+def test_an_archive_fetched_half_way_leaves_nothing_in_place_and_a_whole_one_is_renamed_in(tmp_data_dir, monkeypatch):
+    import torchvision.datasets.utils as tv_utils
+
+    def fetch(url, download_root, extract_root, filename, md5, fail):
+        image(Path(extract_root) / "iSUN" / "x" / "0.png", np.full((32, 32, 3), 7))  # extraction under way
+        if fail:
+            raise OSError("the connection dropped")
+    monkeypatch.setattr(tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=True))
+    with pytest.raises(DataNotFoundError, match=r"fetching .* failed \(OSError: the connection dropped\)"):
+        load_ood("iSUN", id_dataset="cifar10")
+    assert not (tmp_data_dir / "iSUN").exists() and not list(tmp_data_dir.glob(".partial-*"))  # no half folder
+    monkeypatch.setattr(tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=False))
+    assert load_ood("iSUN", id_dataset="cifar10").shape == (1, 3, 32, 32)
+    assert (tmp_data_dir / "iSUN" / "x" / "0.png").is_file() and not list(tmp_data_dir.glob(".partial-*"))
+
+
 def test_odin_folder_errors(tmp_data_dir):
     md5_isun, url_isun, _ = data.ODIN_ARCHIVES["iSUN"]
     with pytest.raises(DataNotFoundError, match=(

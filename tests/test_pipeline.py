@@ -316,6 +316,14 @@ def test_selected_epoch_is_the_first_best_validation_auroc_or_the_last_epoch(sel
     assert selected_epoch(h, selection) == want[-1]
 
 
+def test_selected_epoch_refuses_an_epoch_outside_the_history():
+    for upto in (2, -1):
+        with pytest.raises(ValueError, match=rf"epoch {upto} is not in the history's 2 validated epochs\."):
+            selected_epoch(_history([0.5, 0.8]), "ood-labels", upto)
+    with pytest.raises(ValueError, match=r"epoch -1 is not in the history's 0 validated epochs"):  # nothing validated
+        selected_epoch(_history([]), "last-epoch")
+
+
 def test_selected_epoch_refuses_an_unknown_selection():
     with pytest.raises(ConfigError, match=r"selection must be one of ood-labels, last-epoch, got 'oracle'"):
         selected_epoch(_history([0.5]), "oracle")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from mcd_helpers.__main__ import main
+from mcd_helpers.errors import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--quiet", "--train-subset", "600", "--test-subset", "400", "--n-val", "40", "--ood-size", "200",
@@ -78,7 +79,7 @@ def test_a_second_run_on_a_busy_folder_is_refused_and_a_dead_owners_lock_is_take
     assert reproduce(out) == 0 and run_json(out)["status"] == "finished"
 
 
-@pytest.mark.parametrize("error, status, code", [(RuntimeError("a broken checkpoint"), "failed", 1),
+@pytest.mark.parametrize("error, status, code", [(CheckpointError("a broken checkpoint"), "failed", 1),
                                                  (KeyboardInterrupt(), "interrupted", 130)])
 def test_run_json_says_how_a_run_ended(error, status, code, tmp_path, cache, monkeypatch):
     def fail(*args, **kwargs):
@@ -90,7 +91,8 @@ def test_run_json_says_how_a_run_ended(error, status, code, tmp_path, cache, mon
     assert not (out / "results.json").exists()
 
 
-def test_rows_are_kept_when_a_later_ood_set_fails(tmp_path, cache, monkeypatch, capsys):
+@pytest.mark.parametrize("error", [OSError, RuntimeError])
+def test_rows_are_kept_when_a_later_ood_set_fails(error, tmp_path, cache, monkeypatch, capsys):
     import mcd_helpers.run as run
 
     real, calls = run.run_ood_set, []
@@ -98,7 +100,7 @@ def test_rows_are_kept_when_a_later_ood_set_fails(tmp_path, cache, monkeypatch, 
     def second_fails(cfg, data, ood, **kwargs):
         calls.append(ood)
         if ood == "uniform":
-            raise OSError("the disk went away while uniform trained")
+            raise error("the disk went away while uniform trained")
         return real(cfg, data, ood, **kwargs)
     monkeypatch.setattr(run, "run_ood_set", second_fails)
     out = tmp_path / "out"
@@ -107,7 +109,37 @@ def test_rows_are_kept_when_a_later_ood_set_fails(tmp_path, cache, monkeypatch, 
     assert {r["ood_dataset"] for r in json.loads((out / "results.json").read_text())} == {"gaussian"}
     assert run_json(out)["status"] == "partial" and "uniform" in run_json(out)["failures"]
     assert "**Failed OOD sets**" in (out / "results.md").read_text()
-    assert "1 of 2 OOD sets failed: uniform: OSError: the disk went away" in capsys.readouterr().err
+    assert f"1 of 2 OOD sets failed: uniform: {error.__name__}: the disk went away" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error", [CheckpointError("the cached network does not fit"), FloatingPointError("diverged")])
+def test_an_error_the_run_cannot_go_on_from_stops_every_ood_set(error, tmp_path, cache, monkeypatch, capsys):
+    calls = []
+
+    def first_fails(cfg, data, ood, **kwargs):
+        calls.append(ood)
+        raise error
+    monkeypatch.setattr("mcd_helpers.run.run_ood_set", first_fails)
+    out = tmp_path / "out"
+    assert reproduce(out, "--ood-sets", "gaussian,uniform") == 1
+    assert calls == ["gaussian"] and not (out / "results.json").exists()  # not recorded as one OOD set's failure
+    assert run_json(out)["status"] == "failed" and str(error) in run_json(out)["error"]
+    assert f"error: {error}" in capsys.readouterr().err
+
+
+def test_a_failure_while_preparing_the_folder_frees_it_for_the_next_run(tmp_path, cache, monkeypatch, capsys):
+    import mcd_helpers.files as files
+    import mcd_helpers.run as run
+
+    def full_disk(path, obj):
+        raise OSError(28, f"no space left on the device while writing {path}")
+    monkeypatch.setattr(run, "write_json", full_disk)  # the first write: run.json saying "running"
+    out = tmp_path / "out"
+    assert reproduce(out) == 1
+    assert "no space left on the device while writing" in capsys.readouterr().err
+    monkeypatch.setattr(run, "write_json", files.write_json)
+    assert reproduce(out) == 0  # the lock was released: not "another run is using --out"
+    assert run_json(out)["status"] == "finished"
 
 
 @pytest.mark.parametrize("how", ["a file", "read-only"])
