@@ -32,7 +32,6 @@ from .data import OFFLINE_OOD_SETS
 from .errors import ConfigError
 from .files import atomic_write, write_json
 from .forwards import STRATEGIES
-from .metrics import METRIC_KEYS
 from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
 from .report import write_report
 from .run import check_split, output_folder
@@ -161,11 +160,8 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
             buf = io.BytesIO()
             np.savez(buf, id=s_id.numpy(), ood=s_ood.numpy())  # the dtype the metrics saw: exact
             atomic_write(out / rel, buf.getvalue())
-            extra = {k: r[k] for k in ("odin_temperature", "odin_epsilon", "val_auroc", "selected_epoch") if k in r}
-            rows.append({"task": cell.task, "class_split": cell.class_split, "protocol": cell.protocol,
-                         "selection": r["selection"], "method": r["method"], "strategy": r["strategy"], "norm": norm,
-                         "seed": cell.seed, "ood_dataset": cell.ood, **{k: r[k] for k in METRIC_KEYS},
-                         "id_accuracy": r["id_accuracy"], "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood), **extra})
+            # the pipeline's row (settings, metrics, ODIN's T and epsilon, MCD's selected epoch) and the cell's
+            rows.append({"task": cell.task, **r, "norm": norm, "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood)})
     return rows
 
 

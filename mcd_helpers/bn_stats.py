@@ -116,19 +116,11 @@ def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
     return {k: sum(v) / 2 if momentum is None else ema_fixed_point(v, momentum) for k, v in stats.items()}
 
 
-def train_statistics(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str) -> dict[str, tuple]:
-    """The (mean, biased variance) each part is normalised with in train mode: its own batch's
-    (``"separate"``) or the pooled ones (``"concat"``). Returns ``{"sup": (mean, var), "unsup": ...}``."""
-    _check(h_sup, h_unsup, strategy)
-    if strategy == "concat":
-        return dict.fromkeys(("sup", "unsup"), batch_stats(torch.cat([h_sup, h_unsup]))[:2])
-    return {"sup": batch_stats(h_sup)[:2], "unsup": batch_stats(h_unsup)[:2]}
-
-
 def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
                         momentum: float | None = 0.1, eps: float = 1e-5) -> dict[str, torch.Tensor]:
     """Per part, the largest (over channels) ``|eval z - train z|`` of the part's mean, where ``z`` is the
-    normalised value with the steady-state running statistics (eval) or the train-mode ones; in units
+    normalised value with the steady-state running statistics (eval) or the train-mode ones (the part's
+    own batch's mean and biased variance under ``"separate"``, the pooled ones under ``"concat"``); in units
     of the normalised activation. Returns ``{"sup": scalar, "unsup": scalar}``.
 
     Raises:
@@ -136,10 +128,10 @@ def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: st
     """
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps < float("inf"):
         raise ValueError(f"eps must be a finite number >= 0 (BatchNorm's default is 1e-5), got {eps!r}.")
-    run, train = steady_state(h_sup, h_unsup, strategy, momentum), train_statistics(h_sup, h_unsup, strategy)
-    out = {}
+    run, out = steady_state(h_sup, h_unsup, strategy, momentum), {}
     for part, h in (("sup", h_sup), ("unsup", h_unsup)):
-        mean_p, (t_mean, t_var) = batch_stats(h)[0], train[part]
+        own = h if strategy == "separate" else torch.cat([h_sup, h_unsup])  # what train mode normalises h with
+        (mean_p, _, _), (t_mean, t_var, _) = batch_stats(h), batch_stats(own)
         eval_z = (mean_p - run["mean"]) / (run["var"] + eps).sqrt()
         out[part] = (eval_z - (mean_p - t_mean) / (t_var + eps).sqrt()).abs().max()
     return out

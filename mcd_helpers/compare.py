@@ -96,11 +96,6 @@ class ForwardsComparison:
                   (self.max_grad_diff, self.grad_scale), (_max(self.buffer_diff.values()), scale_buf))
         return all(d <= self.tolerance * max(1.0, s) for d, s in checks)  # NaN <= x is False
 
-    @property
-    def verdict(self) -> str:
-        dtype = str(self.dtype).replace("torch.", "")
-        return f"{f'same up to {dtype} rounding' if self.same else 'DIFFERENT'} (relative tolerance {self.tolerance:g})"
-
     def _repr_markdown_(self) -> str:
         """The verdict, then a table: loss, max |grad| (concat) and max |Δgrad|, the 5 largest gradient
         differences, the running-statistic updates, the first 6 nonzero buffer differences."""
@@ -116,37 +111,27 @@ class ForwardsComparison:
                 *([(f"parameters without a gradient (not compared): {len(self.no_grad_params)}", "", "", "")]
                   if self.no_grad_params else [])]
         return (f"concat vs {len(self.batch_sizes)} separate forwards, {'train' if self.training else 'eval'} mode, "
-                f"batches {' + '.join(map(str, self.batch_sizes))}: {self.verdict}\n\n"
+                f"batches {' + '.join(map(str, self.batch_sizes))}: "
+                f"{f'same up to {str(self.dtype)[6:]} rounding' if self.same else 'DIFFERENT'} "
+                f"(relative tolerance {self.tolerance:g})\n\n"
                 + markdown_table(("quantity", "concat", "separate", "max abs Δ"), rows, "lrrr"))
 
     __str__ = _repr_markdown_
 
 
-class ComparisonTable:
-    """Several comparisons side by side, one row per label: a Markdown table (rendered in Jupyter)."""
+def comparison_table(comparisons: Mapping[str, ForwardsComparison]) -> str:
+    """Several comparisons side by side, a row per label: a Markdown table (``display(Markdown(...))``).
+    Raises ``ValueError`` when ``comparisons`` is empty."""
+    from .report import markdown_table
 
-    def __init__(self, comparisons: Mapping[str, ForwardsComparison]):
-        if not comparisons:
-            raise ValueError("ComparisonTable needs at least one comparison.")
-        self.comparisons = dict(comparisons)
-
-    def rows(self) -> list[tuple[str, ...]]:
-        """The header, then a row per label."""
-        return [("setting", "mode", "dtype", "batch sizes", "abs Δloss", "max abs Δgrad", "max abs Δrunning stats",
-                 "num_batches_tracked", "verdict"),
-                *[(label, "train" if c.training else "eval", str(c.dtype).replace("torch.", ""),
-                   "+".join(map(str, c.batch_sizes)), f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
-                   f"{c.max_running_stat_diff:.2g}", "-" if c.tracked_increments is None
-                   else "+%d vs +%d" % c.tracked_increments, "same" if c.same else "DIFFERENT")
-                  for label, c in self.comparisons.items()]]
-
-    def __repr__(self) -> str:
-        from .report import markdown_table
-
-        header, *rows = self.rows()
-        return markdown_table(header, rows, "llll" + "rrr" + "ll")
-
-    _repr_markdown_ = __repr__
+    if not comparisons:
+        raise ValueError("comparison_table needs at least one comparison.")
+    rows = [(label, "train" if c.training else "eval", str(c.dtype)[6:], "+".join(map(str, c.batch_sizes)),
+             f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}", f"{c.max_running_stat_diff:.2g}",
+             "-" if c.tracked_increments is None else "+%d vs +%d" % c.tracked_increments, "same" if c.same else "DIFFERENT")
+            for label, c in comparisons.items()]
+    return markdown_table(("setting", "mode", "dtype", "batch sizes", "abs Δloss", "max abs Δgrad",
+                           "max abs Δrunning stats", "num_batches_tracked", "verdict"), rows, "llllrrrll")
 
 
 def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -232,9 +217,8 @@ def compare_strategies(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tenso
         TypeError, ValueError: as :func:`compare_forwards`, and from the losses (labels that do not
             match ``x_sup`` or lie outside ``[0, K)``, a negative margin).
     """
-    for name, t in (("x_sup", x_sup), ("y_sup", y_sup), ("x_unsup", x_unsup)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}.")
+    if not isinstance(y_sup, torch.Tensor):  # x_sup and x_unsup: compare_forwards checks them
+        raise TypeError(f"y_sup must be a torch.Tensor of labels, got {type(y_sup).__name__}.")
     y_sup = y_sup.to(next(model.parameters()).device)
     return compare_forwards(model, [x_sup, x_unsup], lambda out: step_b_objective(out, y_sup, margin)[0], dtype, seed)
 

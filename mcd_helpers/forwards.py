@@ -20,7 +20,6 @@ a batch; train-mode BatchNorm does (notebook 02).
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Sequence
 
 import torch
@@ -65,9 +64,9 @@ def forward_outputs(model: nn.Module, batches: Sequence[torch.Tensor], strategy:
         return split_rows(model(torch.cat(list(batches))), [len(x) for x in batches])  # (sum N_i, ...) split
     if strategy != "separate":
         raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
-    sources, outs = has_sources(model), []
+    outs = []
     for i, x in enumerate(batches):
-        with use_source(model, i) if sources else contextlib.nullcontext():
+        with use_source(model, i):  # per-source BatchNorm: batch i with statistics i (else a no-op)
             outs.append(model(x))
     return outs
 
@@ -105,5 +104,5 @@ def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor) -> t
     One forward ``model(x_sup, detach_f2=True)``, so a DistributedDataParallel wrapper sees it.
     Shapes: x_sup ``(N, C, H, W)``, y_sup ``(N,)`` -> scalar.
     """
-    with use_source(model, 0) if has_sources(model) else contextlib.nullcontext():
+    with use_source(model, 0):
         return supervised_loss(*model(x_sup, detach_f2=True), y_sup)

@@ -34,24 +34,11 @@ class LivePlot:
         self.updates += 1
 
 
-@dataclasses.dataclass
-class Rerun:
-    """One :func:`rerun`: its settings, the fine-tuned model and history, :func:`~mcd_helpers.pipeline.evaluate`'s
-    rows and scores, and ``before``: the pre-trained network's discrepancy scores ``(id, ood)``."""
-    cfg: object
-    ood: str
-    strategy: str
-    model: object
-    history: object
-    rows: list
-    scores: dict
-    before: tuple
-
-
-def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrain: bool = False, show: bool = True) -> Rerun:
+def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrain: bool = False, show: bool = True):
     """Fine-tune again on ``ood`` with ``margin`` (nats) and ``epochs`` (the pre-trained network from the
     cache: its settings are unchanged); with ``show``, the live history, the score histograms before and
-    after, and ROC curves.
+    after, and ROC curves. Returns :func:`~mcd_helpers.pipeline.run_ood_set`'s ``Result``, its ``scores``
+    also holding ``"mcd:pre-trained"``: the pre-trained network's discrepancy scores ``(id, ood)``.
 
     Raises:
         ConfigError: a negative margin or ``epochs < 1`` (from the config); ValueError: an unknown strategy.
@@ -64,7 +51,8 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
     res = run_ood_set(cfg, data, ood, retrain={f"pretrain-{cache_key(cfg, 'pretrain')}.pt"} if retrain else False,
                       progress=False, log=None, on_epoch=None if live is None else lambda s, e, h: live(e, h))
     base, scores = res.models["base"], res.scores
-    before = evaluate(cfg, base, {"pre-trained": base}, res.split, ood, methods=("mcd",))[1]["mcd:pre-trained"]
+    before = scores["mcd:pre-trained"] = evaluate(cfg, base, {"pre-trained": base}, res.split, ood, ("mcd",))[1][
+        "mcd:pre-trained"]
     if show:
         for fig in (plot_score_histograms({"MCD before fine-tuning": before, "MCD after": scores[f"mcd:{strategy}"]},
                                           f"{cfg.id_dataset} (ID) vs {ood} (OOD): discrepancy score"),
@@ -72,14 +60,14 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
                                     f"ROC: {cfg.id_dataset} vs {ood}")):
             IPython.display.display(fig)
             plt.close(fig)
-    return Rerun(cfg, ood, strategy, res.models[strategy], res.histories[strategy], res.rows, scores, before)
+    return res
 
 
 def rerun_widget(cfg, data, ood_sets, max_epochs: int = 5):
     """Controls for margin, OOD set, strategy and epochs, and a button that calls :func:`rerun`.
 
     Returns ``(box, controls)``: the ``ipywidgets.VBox`` to display and its widgets (``margin``, ``ood``,
-    ``strategy``, ``epochs``, ``retrain``, ``button``, ``output``); after a click ``controls["last"]`` is the :class:`Rerun`.
+    ``strategy``, ``epochs``, ``retrain``, ``button``, ``output``); after a click ``controls["last"]`` is :func:`rerun`'s result.
     """
     import ipywidgets as w
 

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 NORMS = ("batch", "group", "none")  # small_cnn's normalisation layers
-MODELS = ("small_cnn", "densenet_bc_100", "wrn_28_10")
 
 
 class TwoHeadNet(nn.Module):
@@ -156,9 +155,11 @@ def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     return TwoHeadNet(nn.Sequential(*layers), c_in, num_classes, in_channels)
 
 
+MODELS = {"small_cnn": small_cnn, "densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}  # name -> builder
+
+
 def build_model(name: str, in_channels: int, num_classes: int, norm: str = "batch") -> TwoHeadNet:
     """One of :data:`MODELS` by name (``norm``: ``small_cnn`` only). ``ValueError`` on another name."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}.")
-    builder = {"small_cnn": small_cnn, "densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}[name]
-    return builder(in_channels, num_classes, **({"norm": norm} if name == "small_cnn" else {}))
+    return MODELS[name](in_channels, num_classes, **({"norm": norm} if name == "small_cnn" else {}))

@@ -98,14 +98,13 @@ def has_sources(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def use_source(model: nn.Module, source: int):
     """Within the block every :class:`PerSourceBatchNorm` of ``model`` uses (and in train mode updates)
-    the statistics of ``source``; afterwards each goes back to its previous source.
+    the statistics of ``source``; afterwards each goes back to its previous source. Without such a
+    layer (plain BatchNorm, no BatchNorm) there is nothing to switch: a no-op.
 
     Raises:
-        ValueError: if ``model`` has no such layer or ``source`` is out of range.
+        ValueError: if ``source`` is out of range of a layer's sources.
     """
     layers = [m for m in model.modules() if isinstance(m, PerSourceBatchNorm)]
-    if not layers:
-        raise ValueError("use_source needs PerSourceBatchNorm layers: convert with per_source_batchnorm(model).")
     if not all(0 <= source < m.num_sources for m in layers):
         raise ValueError(f"source must be in [0, {min(m.num_sources for m in layers)}), got {source}.")
     before = [m.source for m in layers]
@@ -149,7 +148,7 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
             row = 0 if isinstance(m, PerSourceBatchNorm) else ...  # source 0's statistics, or all of the layer's
             m.momentum, m.running_mean[row], m.running_var[row], m.num_batches_tracked[row] = None, 0.0, 1.0, 0
         model.train()
-        with use_source(model, 0) if has_sources(model) else contextlib.nullcontext():
+        with use_source(model, 0):
             for chunk in [c for c in x.split(batch_size) if len(c) > 1]:
                 model(chunk)
     except BaseException:

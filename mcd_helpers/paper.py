@@ -81,49 +81,14 @@ def _fmt(value, spec: str = ".2f") -> str:
 
 
 def beside_paper_markdown(comparison: Sequence[dict], ours_label: str = "ours", paired_only: bool = False) -> str:
-    """A line per (paper OOD set, metric): the paper's ODIN / ELOC / MCD, ours and the gaps (%);
-    ``paired_only`` leaves out the lines where we have no number (a note names them)."""
-    by = {(c["ood"], c["method"], c["metric"]): c for c in comparison}
-    methods = [m for m in ("odin", "mcd") if any(k[1] == m for k in by)]
-    rows, dropped = [], {}  # dropped: the OOD sets left out, in order (a dict as an ordered set)
-    for ood in PAPER_OOD_SETS:
-        for k in PAPER_METRICS:
-            mine = [by.get((ood, m, k)) for m in methods]
-            if paired_only and not any(c and np.isfinite(c["ours"]) for c in mine):
-                dropped[ood] = None
-                continue
-            ours_ood = next((c["ours_ood"] for c in mine if c and c["ours_ood"]), None) or "–"
-            rows.append([ood, ours_ood, _LABELS[k], *map(_fmt, _TABLE[ood][k]), *(_fmt(c and c["ours"]) for c in mine),
-                         *(_fmt(c and c["gap"], "+.2f") for c in mine)])
-    header = ["OOD (paper)", f"OOD ({ours_label})", "metric", "ODIN", "ELOC", "MCD",
-              *(f"{ours_label} {m.upper()}" for m in methods), *(f"gap {m.upper()}" for m in methods)]
+    """A line per row of :func:`beside_paper` (paper OOD set, method, metric): the paper's number, ours and
+    the gap (%); ``paired_only`` leaves out the lines where we have no number (a note names their OOD sets)."""
+    shown = [c for c in comparison if not paired_only or np.isfinite(c["ours"])]
+    rows = [[c["ood"], c["ours_ood"] or "–", c["method"].upper(), _LABELS[c["metric"]], _fmt(c["paper"]), _fmt(c["ours"]),
+             _fmt(c["gap"], "+.2f")] for c in shown]
     note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; FPR95 and "
             f"detection error: lower is better). Paper: {PAPER_SOURCE}.")
-    if dropped:
+    if dropped := [o for o in dict.fromkeys(c["ood"] for c in comparison) if o not in {c["ood"] for c in shown}]:
         note += f" Not shown: the paper's rows for {', '.join(dropped)}, which have no counterpart in our run."
-    return markdown_table(header, rows, "lll" + "r" * (len(header) - 3)) + note
-
-
-def plot_beside_paper(comparison: Sequence[dict], title: str = "", ours_label: str = "ours"):
-    """Bars per paper OOD set, one panel per metric (%): the paper's ODIN and MCD against ours."""
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(PAPER_METRICS), figsize=(4.6 * len(PAPER_METRICS), 4.3))
-    series = [("paper ODIN", "odin", "paper", "#9ecae1"), ("paper MCD", "mcd", "paper", "#3182bd"),
-              (f"{ours_label} ODIN", "odin", "ours", "#fdae6b"), (f"{ours_label} MCD", "mcd", "ours", "#e6550d")]
-    x = np.arange(len(PAPER_OOD_SETS))
-    for ax, k in zip(axes, PAPER_METRICS):
-        for j, (label, method, side, color) in enumerate(series):
-            vals = [next((c[side] for c in comparison if (c["ood"], c["method"], c["metric"]) == (o, method, k)), _NAN)
-                    for o in PAPER_OOD_SETS]
-            ax.bar(x + (j - 1.5) * 0.2, vals, 0.2, label=label, color=color)
-        ax.set_xticks(x, PAPER_OOD_SETS)
-        ax.set(title=f"{_LABELS[k]} ({'higher' if k == 'auroc' else 'lower'} is better)",
-               xlabel="OOD set (paper's name)", ylabel=f"{_LABELS[k]} (%)")
-        if k == "auroc":
-            finite = [c[s] for c in comparison for s in ("paper", "ours") if c["metric"] == k and np.isfinite(c[s])]
-            ax.set_ylim(max(0.0, min(finite, default=90.0) - 2.0), 100.5)
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(series), fontsize=9, frameon=False)
-    fig.suptitle(title)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))  # room for the legend below the panels
-    return fig
+    return markdown_table(["OOD (paper)", f"OOD ({ours_label})", "method", "metric", "paper", ours_label, "gap"], rows,
+                          "llllrrr") + note

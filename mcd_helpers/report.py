@@ -1,7 +1,6 @@
 """Markdown tables of results (values in %), through one helper, :func:`markdown_table`.
 
-* :func:`results_markdown` -- ``reproduce``'s ``results.md``; :func:`methods_markdown`,
-  :func:`config_markdown` -- notebooks 04-05.
+* :func:`results_markdown` -- ``reproduce``'s ``results.md``, also shown by notebooks 04-05.
 * The benchmark's report: :func:`benchmark_tables` (summaries and paired differences), the views
   notebook 07 shows (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`), and
   :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``) from ``results.json``'s rows
@@ -50,39 +49,6 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
     failed = "".join(f"- {k}: {v}\n" for k, v in (failures or {}).items())
     return (markdown_table(header, lines, "llll" + "r" * 6) + "\n\nAll numbers in %. FPR95 and detection error: lower "
             "is better.\n" + (f"\n**Failed OOD sets** (no rows):\n\n{failed}" if failed else ""))
-
-
-def methods_markdown(rows: Sequence[dict], methods: Sequence[str] = ("msp", "odin", "energy", "mcd")) -> str:
-    """A line per OOD set: AUROC and FPR95 of each method (%, the best in bold), F1's ID accuracy before and after MCD."""
-    lines = []
-    for ood in dict.fromkeys(r["ood_dataset"] for r in rows):
-        by, cells = {r["method"]: r for r in rows if r["ood_dataset"] == ood}, [ood]
-        for key, best in (("auroc", max), ("fpr95", min)):
-            top = best(by[m][key] for m in methods if m in by)
-            cells += ["–" if m not in by else f"**{100 * top:.2f}**" if by[m][key] == top else f"{100 * by[m][key]:.2f}"
-                      for m in methods]
-        lines.append(cells + [f"{100 * by[m]['id_accuracy']:.2f}" if m in by else "–" for m in ("msp", "mcd")])
-    header = ["OOD set", *(f"{k} {m if m == 'energy' else m.upper()}" for k in ("AUROC", "FPR95") for m in methods),
-              "ID acc. pre-trained", "ID acc. MCD"]
-    return (markdown_table(header, lines, "l" + "r" * (len(header) - 1)) + "\n\nAll numbers in %. AUROC: higher is "
-            "better; FPR95 (OOD accepted at 95% ID accepted): lower is better.")
-
-
-def config_markdown(cfg) -> str:
-    """A config's main settings as a two-column table."""
-    rows = [("ID set, model", f"{cfg.id_dataset}, {cfg.model} ({cfg.norm} norm)"),
-            ("training images (labeled)", f"{cfg.train_subset:,}" if cfg.train_subset else "all"),
-            ("ID test images", f"{cfg.test_subset:,}" if cfg.test_subset else "all"),
-            ("generated OOD images per set", f"{cfg.ood_size:,}"), ("validation images, ID + OOD", f"{cfg.n_val} + {cfg.n_val}"),
-            ("pre-training", f"{cfg.pretrain_epochs} epochs, SGD lr {cfg.pretrain_lr}, batch {cfg.pretrain_batch_size}, "
-                             f"lr × 0.1 at epochs {list(cfg.pretrain_milestones)}"),
-            ("fine-tuning schedule", "Step A then Step B" if cfg.schedule == "official" else "Step B only"),
-            ("fine-tuning", f"{cfg.finetune_epochs} epoch(s) × {cfg.steps_per_epoch or 'one pass over the labeled set'} "
-                            f"steps, SGD lr {cfg.finetune_lr}, weight decay {cfg.finetune_weight_decay}"),
-            ("batch, labeled + unlabeled", f"{cfg.batch_size_sup} + {cfg.batch_size_unsup}"),
-            ("margin m", f"{cfg.margin} nats"), ("seed", str(cfg.seed)),
-            ("ODIN grid", f"T ∈ {list(cfg.odin_temperatures)}, ε ∈ {list(cfg.odin_epsilons)}")]
-    return markdown_table(["setting", "value"], rows)
 
 
 def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:

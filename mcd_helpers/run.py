@@ -183,9 +183,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
 
 
 def _plots(out: Path, ood: str, id_dataset: str, scores: dict) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the backend is the caller's (Agg when headless)
 
     from .plots import plot_roc_curves, plot_score_histograms
 

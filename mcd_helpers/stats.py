@@ -17,31 +17,25 @@ from scipy import stats
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
 
 
-def mean_ci(values: Sequence[float], confidence: float = 0.95) -> dict:
+def mean_ci(values: Sequence[float], confidence: float = 0.95, where: str = "") -> dict:
     """Mean of ``values`` ``(n,)`` with its Student-t interval: ``{"mean", "low", "high", "half_width", "n"}``.
 
     Raises:
-        ValueError: fewer than 2 values, a NaN or inf (its index named), a confidence outside (0, 1).
+        ValueError: fewer than 2 values, a NaN or inf (its index named), a confidence outside (0, 1); the
+            message starts with ``where`` (the group) when given.
     """
+    at = f"{where}: " if where else ""
     if not 0 < confidence < 1:
         hint = f" (did you mean {confidence / 100}?)" if 1 < confidence < 100 else ""
-        raise ValueError(f"confidence must be a fraction in (0, 1), got {confidence}{hint}.")
+        raise ValueError(f"{at}confidence must be a fraction in (0, 1), got {confidence}{hint}.")
     x = np.asarray(values, dtype=np.float64).ravel()
     if x.size < 2:
-        raise ValueError(f"a confidence interval needs at least 2 values (seeds), got {x.size}; run more seeds.")
+        raise ValueError(f"{at}a confidence interval needs at least 2 values (seeds), got {x.size}; run more seeds.")
     bad = np.flatnonzero(~np.isfinite(x))
     if bad.size:
-        raise ValueError(f"values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a failed run upstream.")
+        raise ValueError(f"{at}values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a failed run upstream.")
     m, half = float(x.mean()), float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
     return {"mean": m, "low": m - half, "high": m + half, "half_width": half, "n": int(x.size)}
-
-
-def _ci_in(where: str, values, confidence: float) -> dict:
-    """:func:`mean_ci` of ``values``, its ValueError prefixed with ``where`` (the group)."""
-    try:
-        return mean_ci(values, confidence)
-    except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
 
 
 def _groups(rows: Sequence[dict], keys: Sequence[str], metric: str) -> dict[tuple, list[tuple]]:
@@ -62,8 +56,8 @@ def summarize(rows: Sequence[dict], metrics: Sequence[str] = ("auroc", "fpr95", 
     groups = {}
     for metric in metrics:
         for key, members in _groups(rows, keys, metric).items():
-            groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = _ci_in(
-                f"group {dict(zip(keys, key))}, {metric}", [v for _, _, v in members], confidence)
+            groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = mean_ci(
+                [v for _, _, v in members], confidence, f"group {dict(zip(keys, key))}, {metric}")
     return list(groups.values())
 
 
@@ -93,7 +87,7 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
                              "for one strategy; pairs need the same seeds for both.")
         seeds = sorted(by[a])
         xa, xb = np.array([by[a][s] for s in seeds]), np.array([by[b][s] for s in seeds])
-        ci = _ci_in(f"group {dict(zip(keys, key))}", xa - xb, confidence)
+        ci = mean_ci(xa - xb, confidence, f"group {dict(zip(keys, key))}")
         p = float("nan") if np.all(xa - xb == (xa - xb)[0]) else float(stats.ttest_rel(xa, xb).pvalue)
         out.append({**dict(zip(keys, key)), "metric": metric, "a": a, "b": b, "seeds": seeds,
                     "diffs": (xa - xb).tolist(), **ci, "p_value": p})

@@ -84,16 +84,6 @@ def test_ema_fixed_point_by_hand():
     torch.testing.assert_close(bn_stats.ema_fixed_point([v1, v2, v3], 0.2), r, rtol=0, atol=1e-12)
 
 
-def test_train_statistics_are_the_own_batch_or_the_pooled_ones():
-    h_sup, h_unsup = two_batches()
-    sep, cat = (bn_stats.train_statistics(h_sup, h_unsup, s) for s in ("separate", "concat"))
-    torch.testing.assert_close(sep["sup"], mean_var(h_sup, False), rtol=0, atol=1e-14)
-    torch.testing.assert_close(sep["unsup"], mean_var(h_unsup, False), rtol=0, atol=1e-14)
-    pooled = mean_var(torch.cat([h_sup, h_unsup]), False)
-    torch.testing.assert_close(cat["sup"], pooled, rtol=0, atol=1e-14)
-    torch.testing.assert_close(cat["unsup"], pooled, rtol=0, atol=1e-14)
-
-
 def test_train_eval_mismatch_by_hand():
     h_sup, h_unsup = two_batches()
     eps = 1e-5
@@ -118,7 +108,7 @@ H_SUP, H_UNSUP = two_batches()
 
 @pytest.mark.parametrize("call, match", [
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "interleave"), "strategy must be 'concat' or 'separate', got 'interleave'"),
-    (lambda: bn_stats.train_statistics(H_SUP, H_UNSUP, "mixed"), "strategy must be 'concat' or 'separate', got 'mixed'"),
+    (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "mixed"), "strategy must be 'concat' or 'separate', got 'mixed'"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "separate", 1.5), r"momentum must be a number in \(0, 1\].*got 1.5"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "separate", 0.0), r"momentum must be a number in \(0, 1\].*got 0.0"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", "0.1"), "momentum must be a number.*got '0.1'"),
@@ -157,7 +147,7 @@ def test_every_entry_point_checks_each_input(h, match):
     with pytest.raises(ValueError, match="h_sup .*" + match):
         bn_stats.batch_stats(h)
     partner = torch.randn(4, 3, dtype=D)  # a valid input: each is checked before the two are compared
-    for fn in (bn_stats.steady_state, bn_stats.train_statistics, bn_stats.train_eval_mismatch):
+    for fn in (bn_stats.steady_state, bn_stats.train_eval_mismatch):
         with pytest.raises(ValueError, match="h_sup .*" + match):
             fn(h, partner, "separate")
         with pytest.raises(ValueError, match="h_unsup .*" + match):

@@ -5,7 +5,6 @@ import signal
 
 import pytest
 
-import mcd_helpers.config as config
 from mcd_helpers.config import PRESETS, PRETRAIN_FIELDS, MCDConfig, get_preset
 from mcd_helpers.data import DataNotFoundError
 from mcd_helpers.errors import ConfigError, TrainingInterrupted, exit_code
@@ -86,14 +85,6 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
 ])
 def test_settings_that_cannot_work(kw, field, match):
     refused(field, match, **kw)
-
-
-def test_generated_ood_sets_must_fit_in_half_the_memory(monkeypatch):
-    monkeypatch.setattr(config, "_memory", lambda: 10**9)
-    # float32 images of 784 (3,072 for CIFAR) pixels, counted 12 bytes a pixel: 10**9 / 2 / (12 * 784) = 53,146 images
-    assert MCDConfig(ood_size=53_000).ood_size == 53_000
-    refused("ood_size", "ood_size=53,200 generated images need more than half of this machine's memory", ood_size=53_200)
-    refused("ood_size", "ood_size=14,000 generated", id_dataset="cifar10", ood_sets=("gaussian",), ood_size=14_000)
 
 
 def test_check_ood_sets():

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mcd_helpers.compare import ComparisonTable, ForwardsComparison, compare_forwards, compare_strategies, coupling_matrix
+from mcd_helpers.compare import ForwardsComparison, compare_forwards, compare_strategies, comparison_table, coupling_matrix
 from mcd_helpers.forwards import STRATEGIES, forward_outputs, split_rows, step_a_loss, step_b_loss
 from mcd_helpers.models import TwoHeadNet
 from mcd_helpers.norms import per_source_batchnorm
@@ -304,7 +304,8 @@ def comparison(loss_s=1.0, grad_diff=0.0, grad_scale=1.0, buf_diff=None, buf=Non
 def test_same_means_within_the_tolerance_relative_to_the_size(kwargs, same):
     c = comparison(**kwargs)
     assert c.same == same
-    assert c.verdict == ("same up to float32 rounding" if same else "DIFFERENT") + " (relative tolerance 0.0001)"
+    verdict = ("same up to float32 rounding" if same else "DIFFERENT") + " (relative tolerance 0.0001)"
+    assert c._repr_markdown_().splitlines()[0].endswith(": " + verdict)
 
 
 def test_parameters_without_gradients_are_listed_not_compared():
@@ -330,13 +331,14 @@ def test_report_and_table_show_the_numbers():
     assert f"| gradients (max abs) | {c.grad_scale:.3g} |  | {c.max_grad_diff:.3g} |" in text
     assert "| running-stat updates per step | +1 | +2 |  |" in text.splitlines()
     plain = compare_forwards(mlp(), xs(2, 2), weighted)
-    table = ComparisonTable({"bn-train": c, "mlp": plain})
-    assert table.rows()[1] == ("bn-train", "train", "float64", "4+3", f"{c.loss_diff:.2g}", f"{c.max_grad_diff:.2g}",
-                               f"{c.max_running_stat_diff:.2g}", "+1 vs +2", "DIFFERENT")
-    assert table.rows()[2][-2:] == ("-", "same") and repr(table) == table._repr_markdown_()
-    assert repr(table).splitlines()[2].startswith("| bn-train | train | float64 | 4+3 |") and "| +1 vs +2 |" in repr(table)
-    with pytest.raises(ValueError, match="ComparisonTable needs at least one comparison"):
-        ComparisonTable({})
+    table = comparison_table({"bn-train": c, "mlp": plain}).splitlines()
+    assert table[0] == ("| setting | mode | dtype | batch sizes | abs Δloss | max abs Δgrad | max abs Δrunning stats | "
+                        "num_batches_tracked | verdict |")
+    assert table[2] == (f"| bn-train | train | float64 | 4+3 | {c.loss_diff:.2g} | {c.max_grad_diff:.2g} | "
+                        f"{c.max_running_stat_diff:.2g} | +1 vs +2 | DIFFERENT |")
+    assert table[3].endswith("| - | same |") and len(table) == 4
+    with pytest.raises(ValueError, match="comparison_table needs at least one comparison"):
+        comparison_table({})
 
 
 # --- compare.py: refused inputs ------------------------------------------------------------------
@@ -371,8 +373,8 @@ def test_compare_forwards_refuses_what_it_cannot_compare(model, batches, loss_fn
 
 
 @pytest.mark.parametrize("change, error, match", [
-    (dict(x_sup=None), TypeError, "x_sup must be a torch.Tensor, got NoneType"),
-    (dict(y_sup=[0, 1, 2, 0]), TypeError, "y_sup must be a torch.Tensor, got list"),
+    (dict(x_sup=None), TypeError, "batch 0 must be a torch.Tensor, got NoneType"),
+    (dict(y_sup=[0, 1, 2, 0]), TypeError, "y_sup must be a torch.Tensor of labels, got list"),
     (dict(y_sup=torch.tensor([0, 1, 2])), ValueError, r"targets must have shape \(4,\) to match the logits, got \(3,\)"),
     (dict(y_sup=torch.tensor([0, 1, 2, 5])), ValueError, r"labels must lie in \[0, 3\)"),
     (dict(margin=-1.0), ValueError, "margin must be a finite number >= 0"),

@@ -63,30 +63,30 @@ def test_rerun_refuses_bad_settings_before_any_work(kwargs, match):
 @pytest.mark.slow
 def test_rerun_goes_through_the_pipeline_and_an_identical_rerun_loads_from_the_cache(shown, tmp_data_dir, monkeypatch):
     shown, updated = shown
-    trained, real = [], pipeline.train
-    monkeypatch.setattr(pipeline, "train", lambda *a, **k: trained.append(a[3]) or real(*a, **k))
+    trained, cfgs, real = [], [], pipeline.train
+    monkeypatch.setattr(pipeline, "train", lambda *a, **k: trained.append(a[3]) or cfgs.append(a[2]) or real(*a, **k))
     data = pipeline.load_data(TINY)
     r = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=3)
     assert trained == [None, "concat"]
-    assert (r.cfg.margin, r.cfg.finetune_epochs, r.cfg.strategies, r.ood, r.strategy) == (0.3, 3, ("concat",), "gaussian",
-                                                                                          "concat")
+    assert (cfgs[1].margin, cfgs[1].finetune_epochs, cfgs[1].strategies) == (0.3, 3, ("concat",))
+    assert {x["ood_dataset"] for x in r.rows} == {"gaussian"} and list(r.histories) == ["concat"]
     assert [(x["method"], x["strategy"]) for x in r.rows] == [("msp", None), ("odin", None), ("energy", None),
                                                             ("mcd", "concat")]
-    assert len(r.history.val_auroc) == 3 and len(r.history.ce) == 3 * TINY.steps_per_epoch
+    assert len(r.histories["concat"].val_auroc) == 3 and len(r.histories["concat"].ce) == 3 * TINY.steps_per_epoch
     # the live plot (shown once, updated after epochs 2 and 3, its margin line at 0.3), the histograms, the ROC curves
     assert (len(shown), len(updated)) == (3, 2)
     assert shown[0].axes[1].lines[1].get_ydata()[0] == 0.3
     # "before": the pre-trained network's discrepancy scores on the test images, recomputed here
-    split = pipeline.make_split(r.cfg, data, "gaussian")
-    base = copy.deepcopy(pipeline.pretrained(r.cfg, split, progress=False, log=None)).eval()
+    split = pipeline.make_split(cfgs[1], data, "gaussian")
+    base = copy.deepcopy(pipeline.pretrained(cfgs[1], split, progress=False, log=None)).eval()
     with torch.no_grad():
-        for got, x in zip(r.before, (split.test_id_x, split.test_ood_x)):
+        for got, x in zip(r.scores["mcd:pre-trained"], (split.test_id_x, split.test_ood_x)):
             a, b = base(x)
             torch.testing.assert_close(got, (F.softmax(a, 1) - F.softmax(b, 1)).abs().sum(1), rtol=1e-5, atol=1e-6)
     # the same setting again: loaded, its epochs replayed into a new live plot, the same metrics
     again = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=3)
     assert trained == [None, "concat"] and (len(shown), len(updated)) == (6, 4)
-    assert again.rows == r.rows and again.history == r.history
+    assert again.rows == r.rows and again.histories == r.histories
     # retrain: the fine-tuning only (the pre-trained network is loaded); show=False draws nothing
     live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=3, retrain=True, show=False)
     assert trained == [None, "concat", "concat"] and len(shown) == 6

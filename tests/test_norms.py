@@ -67,6 +67,15 @@ def test_use_source_restores_the_previous_source_even_after_an_error():
     assert [m.source for m in model] == [0, 0]
 
 
+def test_use_source_on_a_model_without_per_source_layers_changes_nothing():
+    model, x = net().train(), data(8)
+    ref = copy.deepcopy(model)
+    with use_source(model, 5):  # no source to switch: any number, nothing checked or changed
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+
+
 def test_per_source_batchnorm_is_a_copy_with_every_batchnorm_replaced_from_its_statistics():
     base = small_cnn(norm="batch", width=4)
     base(torch.randn(4, 1, 8, 8))  # non-default running statistics to copy
@@ -148,8 +157,6 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
     (lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False)),
      "cannot get per-source statistics: needs affine=True and track_running_stats=True"),
     (lambda: per_source_batchnorm(nn.Sequential(nn.Linear(2, 2))), "the model has no BatchNorm layer"),
-    (lambda: use_source(net(), 0).__enter__(), r"use_source needs PerSourceBatchNorm layers: convert with "
-                                               r"per_source_batchnorm\(model\)"),
     (lambda: use_source(per_source_batchnorm(net()), 2).__enter__(), r"source must be in \[0, 2\), got 2"),
     (lambda: use_source(per_source_batchnorm(net()), -1).__enter__(), r"source must be in \[0, 2\), got -1"),
     (lambda: recalibrate_bn(nn.Linear(4, 2), data(4)), "recalibrate_bn: the model has no BatchNorm layer with running"),

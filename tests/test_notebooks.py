@@ -4,7 +4,6 @@ Each notebook's asserts are its claims; a failing assert fails this test. Wall t
 to build/notebook_times.json (a record, not a timed test).
 """
 import json
-import os
 import re
 import time
 from pathlib import Path

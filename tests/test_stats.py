@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as st
 
-from mcd_helpers.config import MCDConfig
-from mcd_helpers.report import (benchmark_tables, config_markdown, markdown_table, method_label, methods_markdown,
-                                pivot_markdown, pooled_summary, results_markdown, setting_differences, summary_text,
+from mcd_helpers.report import (benchmark_tables, markdown_table, method_label, pivot_markdown, pooled_summary, results_markdown, setting_differences, summary_text,
                                 write_report)
 from mcd_helpers.stats import mean_ci, paired_differences, summarize
 
@@ -184,35 +182,6 @@ def test_results_markdown():
     assert "All numbers in %" in text and "Failed" not in text
     failed = results_markdown(rows, {"mnist": "DataNotFoundError: MNIST was not found"})
     assert failed.endswith("**Failed OOD sets** (no rows):\n\n- mnist: DataNotFoundError: MNIST was not found\n")
-
-
-def test_methods_markdown_marks_the_best():
-    def r(ood, method, auroc, fpr95, acc=0.9):
-        return {"ood_dataset": ood, "method": method, "auroc": auroc, "fpr95": fpr95, "id_accuracy": acc}
-    rows = [r("digits", "msp", 0.90, 0.30, 0.92), r("digits", "odin", 0.95, 0.20), r("digits", "energy", 0.95, 0.25),
-            r("digits", "mcd", 0.93, 0.05, 0.91), r("uniform", "mcd", 0.99, 0.01, 0.9), r("uniform", "msp", 0.5, 0.9, 0.8)]
-    lines = methods_markdown(rows).splitlines()
-    assert lines[0] == ("| OOD set | AUROC MSP | AUROC ODIN | AUROC energy | AUROC MCD | FPR95 MSP | FPR95 ODIN | "
-                        "FPR95 energy | FPR95 MCD | ID acc. pre-trained | ID acc. MCD |")
-    assert lines[2] == "| digits | 90.00 | **95.00** | **95.00** | 93.00 | 30.00 | 20.00 | 25.00 | **5.00** | 92.00 | 91.00 |"
-    assert lines[3] == "| uniform | 50.00 | – | – | **99.00** | 90.00 | – | – | **1.00** | 80.00 | 90.00 |"
-
-
-def test_config_markdown():
-    cfg = MCDConfig(train_subset=15_000, pretrain_epochs=4, pretrain_milestones=(3,), finetune_lr=0.003, margin=1.5,
-                    schedule="step_b", odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.002))
-    lines = config_markdown(cfg).splitlines()
-    assert lines[:2] == ["| setting | value |", "| --- | --- |"]
-    for line in ["| ID set, model | fashion_mnist, small_cnn (batch norm) |", "| training images (labeled) | 15,000 |",
-                 "| ID test images | all |", "| generated OOD images per set | 10,000 |",
-                 "| validation images, ID + OOD | 1000 + 1000 |",
-                 "| pre-training | 4 epochs, SGD lr 0.05, batch 128, lr × 0.1 at epochs [3] |",
-                 "| fine-tuning schedule | Step B only |",
-                 "| fine-tuning | 1 epoch(s) × one pass over the labeled set steps, SGD lr 0.003, weight decay 0.0001 |",
-                 "| batch, labeled + unlabeled | 128 + 128 |", "| margin m | 1.5 nats |",
-                 "| ODIN grid | T ∈ [1000.0], ε ∈ [0.0, 0.002] |", "| seed | 0 |"]:
-        assert line in lines
-    assert "| fine-tuning schedule | Step A then Step B |" in config_markdown(MCDConfig())
 
 
 # ---- report: the benchmark ---------------------------------------------------------------------------
