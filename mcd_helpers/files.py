@@ -66,4 +66,4 @@ def load_state(path: Path) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:
         raise CheckpointError(f"{path} cannot be read as a checkpoint ({type(err).__name__}: {str(err)[:200]}): cut short"
-                           " or foreign (loading other objects could run code). Delete it to recompute it.") from err
+                              " or foreign (loading other objects could run code). Delete it to recompute it.") from err

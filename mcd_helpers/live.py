@@ -51,8 +51,8 @@ def rerun(cfg, data, ood: str, strategy: str, margin: float, epochs: int, retrai
     res = run_ood_set(cfg, data, ood, retrain={f"pretrain-{cache_key(cfg, 'pretrain')}.pt"} if retrain else False,
                       progress=False, log=None, on_epoch=None if live is None else lambda s, e, h: live(e, h))
     base, scores = res.models["base"], res.scores
-    before = scores["mcd:pre-trained"] = evaluate(cfg, base, {"pre-trained": base}, res.split, ood, ("mcd",))[1][
-        "mcd:pre-trained"]
+    before = evaluate(cfg, base, {"pre-trained": base}, res.split, ood, ("mcd",))[1]["mcd:pre-trained"]
+    scores["mcd:pre-trained"] = before  # the result carries it too
     if show:
         for fig in (plot_score_histograms({"MCD before fine-tuning": before, "MCD after": scores[f"mcd:{strategy}"]},
                                           f"{cfg.id_dataset} (ID) vs {ood} (OOD): discrepancy score"),

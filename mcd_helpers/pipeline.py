@@ -165,8 +165,8 @@ def pretrained(cfg, split: Split, retrain: bool | set = False, progress: bool = 
         model.load_state_dict(state["model"])
     except RuntimeError as err:  # another architecture or width in the cached file
         raise CheckpointError(f"the cached network {state.get('loaded_from')} does not fit {cfg.model} (norm={cfg.norm}, "
-                           f"{split.x_sup.shape[1]} channels, {int(split.y_sup.max()) + 1} classes): "
-                           f"{str(err).splitlines()[0]} Pass --retrain (retrain=True) to train it again.") from err
+                              f"{split.x_sup.shape[1]} channels, {int(split.y_sup.max()) + 1} classes): "
+                              f"{str(err).splitlines()[0]} Pass --retrain (retrain=True) to train it again.") from err
     return model
 
 

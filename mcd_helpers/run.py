@@ -127,7 +127,8 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         ConfigError: a setting that cannot work (before any training; ``field`` names it).
         DataNotFoundError: the ID data or an OOD set cannot be had (before training).
         RuntimeError: some OOD sets failed after others were done (their rows are written).
-        CheckpointError: a checkpoint or cached network is unreadable or does not fit. FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
+        CheckpointError: a checkpoint or cached network is unreadable or does not fit.
+        FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
     """
     cfg.check_ood_sets()
     try:
