@@ -19,7 +19,6 @@ unless given ``--resume`` or ``--fresh``. Exit codes: 0 done; 1 a failure during
 unreadable checkpoint, an OOD set failed, a full disk); 2 a setting or the environment (bad value,
 data not found, folder not writable or in use, unfinished work); 130 / 143 interrupted.
 """
-from __future__ import annotations
 
 import argparse
 import inspect

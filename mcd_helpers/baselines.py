@@ -5,7 +5,6 @@ ODIN (Liang, Li & Srikant, ICLR 2018, arXiv 1706.02690, Eq. 2; github.com/facebo
 log S_yhat(x; T))`` that raises the predicted class's softmax score, more for ID than for OOD images.
 Score ``1 - max_k softmax(f(x~) / T)_k``, higher = more OOD. A two-head network is scored by ``F1``.
 """
-from __future__ import annotations
 
 from typing import Sequence
 

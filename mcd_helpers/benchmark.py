@@ -16,7 +16,6 @@ continues where an interrupted run stopped.
 
 Example: ``python -m mcd_helpers benchmark --preset near-ood-quick --out runs/near-ood-quick``
 """
-from __future__ import annotations
 
 import dataclasses
 import io

@@ -5,7 +5,6 @@ is stored with the results (``config.json``). A value that cannot work raises
 :class:`~mcd_helpers.errors.ConfigError` naming the field; checks that need the data run before
 any training (:func:`mcd_helpers.run.run_reproduction`).
 """
-from __future__ import annotations
 
 import dataclasses
 import math

@@ -21,7 +21,6 @@ with its training set's mean and std; CIFAR with mean (125.3, 123.0, 113.9)/255,
 66.7)/255). Missing or damaged data raises :class:`~mcd_helpers.errors.DataNotFoundError` naming
 where it looked and the fix.
 """
-from __future__ import annotations
 
 import gzip
 import os

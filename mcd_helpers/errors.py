@@ -4,7 +4,6 @@ Everything else raises Python's own classes with a message that says what is wro
 it: ``ValueError``/``TypeError`` for bad arguments, ``FloatingPointError`` for a diverged loss,
 ``PermissionError`` for a folder that cannot be written.
 """
-from __future__ import annotations
 
 import signal
 

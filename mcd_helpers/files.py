@@ -5,7 +5,6 @@ A file is written to a temporary name in its folder, flushed to disk, then renam
 concurrent runs sharing a cache never read a half-written one. New files follow the umask. Loading
 uses ``torch.load(..., weights_only=True)``, so a planted ``.pt`` file cannot run code.
 """
-from __future__ import annotations
 
 import errno
 import io

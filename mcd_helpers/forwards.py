@@ -18,7 +18,6 @@ Official fine-tuning (github.com/YU1ut/UOOD-MCD ``solver.py``), each iteration:
 Concat and separate give the same loss and gradients exactly when no layer couples the samples of
 a batch; train-mode BatchNorm does (notebook 02).
 """
-from __future__ import annotations
 
 from typing import Sequence
 

@@ -6,7 +6,6 @@ leaves and returns a ``graphviz.Digraph``: grey boxes are backward functions, bl
 program; the DOT text does not. torchviz imports ``distutils``, which Python 3.12 removed: setuptools
 (a dependency) provides it.
 """
-from __future__ import annotations
 
 import shutil
 import warnings

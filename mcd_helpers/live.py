@@ -3,7 +3,6 @@
 :func:`rerun` goes through :func:`~mcd_helpers.pipeline.run_ood_set`, the pipeline's one driver: a
 setting run before is loaded from the cache and its epochs replayed into the live plot.
 """
-from __future__ import annotations
 
 import dataclasses
 

@@ -5,7 +5,6 @@ ICCV 2019 (arXiv 1908.04951), Sec. 3.2-3.3; official code github.com/YU1ut/UOOD-
 (``discrepancy``) and its test script (the L1 distance of the two softmax outputs). Baselines, all
 "higher = more OOD": MSP (Hendrycks & Gimpel 2017, arXiv 1610.02136), energy (Liu et al. 2020, arXiv 2010.03759).
 """
-from __future__ import annotations
 
 import math
 

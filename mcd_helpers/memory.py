@@ -18,7 +18,6 @@ CE1 + CE2 + discrepancy loss in ``.grad``:
 * ``"per_part"``: forward and backward of the labeled part, then of the unlabeled part (gradient
   accumulation): one part's graph alive at a time.
 """
-from __future__ import annotations
 
 import copy
 import time

@@ -16,7 +16,6 @@ threshold grid. Built on ``sklearn.metrics.roc_curve(drop_intermediate=False)``,
 ``roc_auc_score`` and ``average_precision_score``. Note that OpenOOD v1.5 and pytorch-ood make
 OOD the positive class and so report a different "FPR95".
 """
-from __future__ import annotations
 
 from typing import Sequence
 

@@ -10,7 +10,6 @@ ICCV 2019 (arXiv 1908.04951), Sec. 3 and Fig. 2. The official code (github.com/Y
 * :func:`densenet_bc_100` -- DenseNet-BC, L=100, k=12, CIFAR stem (Huang et al., CVPR 2017), 342-d features;
 * :func:`wrn_28_10` -- Wide ResNet 28-10, dropout 0 (Zagoruyko & Komodakis, BMVC 2016), 640-d features.
 """
-from __future__ import annotations
 
 import torch
 from torch import nn

@@ -12,7 +12,6 @@ BatchNorm batches decides which statistics normalise each sample (:data:`LAYOUTS
 :func:`train_sources` trains a small MLP on synthetic domains that differ by a shift, with any
 layout and any normalisation (:data:`SOURCE_NORMS`), and measures accuracy in eval and train mode.
 """
-from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field

@@ -12,7 +12,6 @@ streams. Three fixes from practice (notebooks 07 and 08):
   (an equal-weight average over batches, as ``torch.optim.swa_utils.update_bn``).
 * :func:`freeze_bn` -- BatchNorm in eval mode during training: no sample is coupled to another.
 """
-from __future__ import annotations
 
 import contextlib
 import copy

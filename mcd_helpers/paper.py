@@ -11,7 +11,6 @@ worse, for FPR95 and detection error a positive one does.
 * :data:`OPENOOD_ROWS`: OpenOOD v1.5's leaderboard results files (2025), ResNet-18, outlier data
   disjoint from the test sets: context for the benchmark's protocols, not a like-for-like row.
 """
-from __future__ import annotations
 
 from typing import Mapping, Sequence
 

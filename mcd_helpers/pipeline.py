@@ -12,7 +12,6 @@ A stage's result is cached in ``<cache_dir>/cache/<stage>-<key>.pt`` (:func:`mcd
 with ``weights_only=True``. One fine-tuning keeps the best-validation and the last epoch's weights, so
 both model selections (:func:`selected_epoch`) come from one run.
 """
-from __future__ import annotations
 
 import copy
 import dataclasses
@@ -76,15 +75,15 @@ def make_split(cfg, data: Data, ood: str) -> Split:
     if ood != HELD_OUT and cfg.protocol != "transductive":
         raise ConfigError("protocol", f"{ood!r} needs --protocol transductive; {cfg.protocol!r} is for 'heldout' only.")
     (x_tr, y_tr), (x_te, y_te) = (data.x_train, data.y_train), (data.x_test, data.y_test)
-    if ood == HELD_OUT:
-        far = ddp.rank0_first(lambda: load_ood(cfg.unlabeled_ood, cfg.ood_size, cfg.seed + 1, cfg.id_dataset)) if cfg.protocol == "unseen-ood" else None
+    images = lambda name, seed: ddp.rank0_first(lambda: load_ood(name, cfg.ood_size, seed, cfg.id_dataset))
+    if ood == HELD_OUT:  # rank 0 loads (downloads) first
+        far = images(cfg.unlabeled_ood, cfg.seed + 1) if cfg.protocol == "unseen-ood" else None
         return protocol_split(cfg.protocol, x_tr, y_tr, x_te, y_te, *class_split(cfg.class_split), n_val=cfg.n_val,
                               seed=cfg.split_seed, n_holdout=cfg.n_holdout, far_ood_train=far)
     if cfg.class_split:
         ids = class_split(cfg.class_split)[0]
         (x_tr, y_tr), (x_te, y_te) = keep_classes(x_tr, y_tr, ids), keep_classes(x_te, y_te, ids)
-    ood_x = ddp.rank0_first(lambda: load_ood(ood, cfg.ood_size, cfg.seed, cfg.id_dataset))  # rank 0 downloads
-    return transductive_split(x_tr, y_tr, x_te, y_te, ood_x, cfg.n_val, cfg.split_seed)
+    return transductive_split(x_tr, y_tr, x_te, y_te, images(ood, cfg.seed), cfg.n_val, cfg.split_seed)
 
 
 def cache_key(cfg, stage: str, **more) -> str:

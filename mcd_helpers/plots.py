@@ -2,7 +2,6 @@
 
 Each function returns the ``Figure``; the caller shows or saves it and closes it.
 """
-from __future__ import annotations
 
 from typing import Mapping, Sequence
 

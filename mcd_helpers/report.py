@@ -6,7 +6,6 @@
   :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``) from ``results.json``'s rows
   alone: ``write_report(json.load(f), folder)`` rebuilds it.
 """
-from __future__ import annotations
 
 import io
 import math

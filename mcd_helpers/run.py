@@ -12,7 +12,6 @@ set, every split's sizes, errors naming the flag), then per OOD set runs
 the end ``config.json``, ``results.json`` and ``results.md`` together. An OOD set that fails later
 is recorded and the others still run. Under torchrun rank 0 alone writes.
 """
-from __future__ import annotations
 
 import contextlib
 import dataclasses

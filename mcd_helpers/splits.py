@@ -13,7 +13,6 @@ and the protocols of the near-OOD benchmark.
 
 Shapes: images ``(N, C, H, W)`` float, labels ``(N,)`` int64.
 """
-from __future__ import annotations
 
 from dataclasses import dataclass
 

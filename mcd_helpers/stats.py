@@ -7,7 +7,6 @@ interval is ``m ± t_{(1+c)/2, n-1} s / sqrt(n)`` (``scipy.stats.t.interval``); 
 d = a - b is the two-sided paired t-test (``scipy.stats.ttest_rel``). The two agree: p < 1 - c exactly
 when the interval excludes 0 (NIST/SEMATECH e-Handbook of Statistical Methods, 7.2.2 and 7.3.1).
 """
-from __future__ import annotations
 
 from typing import Sequence
 

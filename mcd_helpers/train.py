@@ -16,7 +16,6 @@
   is agreed over the ranks at every step, BatchNorm statistics are averaged before validation,
   validation scores gathered, and rank 0 alone writes. In one process these calls do nothing.
 """
-from __future__ import annotations
 
 import contextlib
 import random
