@@ -7,17 +7,23 @@ buffers once per forward (PyTorch docs, ``torch.nn.BatchNorm2d``), with momentum
     running_var  <- (1 - m) running_var  + m var_batch_unbiased
 
 (PyTorch's ``m`` weighs the *new* value, Keras' ``momentum=0.99`` the old one.) ``momentum=None`` is a
-cumulative average, ``m = 1 / num_batches_tracked``. Fed the same batches every step, the buffers
-reach a fixed point (:func:`ema_fixed_point`): one concatenated forward per step settles at the
-pooled statistics; labeled-then-unlabeled forwards settle at ``(0.09 mean_sup + 0.1 mean_unsup) / 0.19``
-(this schedule is Step B alone), and their running variance weighs the *within*-batch variances
-0.47/0.53 without the between-batch term of :func:`pooled_variance`, so it can lie above or below
-the pooled one.
+cumulative average, ``m = 1 / num_batches_tracked``. Fed the same batches every iteration, the buffers
+reach a fixed point (:func:`ema_fixed_point`) that depends on the forwards of one iteration
+(``schedule``, as ``MCDConfig.schedule``):
+
+* ``"official"`` (the authors' code, :func:`mcd_helpers.train.train`'s default): Step A forwards the
+  labeled batch, then Step B. ``separate``: labeled, labeled, unlabeled, so the running mean settles at
+  ``(0.171 mean_sup + 0.1 mean_unsup) / 0.271`` = 0.631 / 0.369, towards the labeled batch. ``concat``:
+  labeled, then pooled, ``(0.09 mean_sup + 0.1 mean_cat) / 0.19``, 0.737 / 0.263 with equal batch sizes.
+* ``"step_b"`` (Step B alone, the blog's and the unofficial reproduction's loop): ``concat`` settles at
+  the pooled statistics, ``separate`` at ``(0.09 mean_sup + 0.1 mean_unsup) / 0.19`` = 0.474 / 0.526.
+
+A blend of separate updates weighs the *within*-batch variances by the order of the updates, without
+the between-batch term of :func:`pooled_variance`, so it can lie above or below the pooled variance.
 
 Shapes: BatchNorm inputs ``h: (N, C, *spatial)``; statistics per channel ``(C,)``; counts ``n`` are
 values per channel, ``N * prod(spatial)``.
 """
-from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
@@ -34,9 +40,10 @@ def _check_momentum(momentum) -> None:
 
 
 def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: str = "concat",
-           momentum: float | None = 0.1) -> None:
-    if strategy not in ("concat", "separate"):
-        raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
+           momentum: float | None = 0.1, schedule: str = "official") -> None:
+    if strategy not in ("concat", "separate") or schedule not in ("official", "step_b"):
+        raise ValueError(f"strategy must be 'concat' or 'separate' and schedule 'official' (Step A, then Step B) or "
+                         f"'step_b', got {strategy!r} and {schedule!r}.")
     _check_momentum(momentum)
     for name, h in [("h_sup", h_sup)] + ([] if h_unsup is None else [("h_unsup", h_unsup)]):
         if not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point() or h.shape[1] == 0:
@@ -98,37 +105,41 @@ def ema_fixed_point(values: Sequence[torch.Tensor], momentum: float) -> torch.Te
     return sum(momentum * keep ** (n - 1 - k) * v for k, v in enumerate(values)) / (1.0 - keep**n)
 
 
-def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
-                 momentum: float | None = 0.1) -> dict[str, torch.Tensor]:
-    """Where ``running_mean`` and ``running_var`` settle when the same two batches are fed every step.
+def _forwards(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, schedule: str) -> list[torch.Tensor]:
+    step_b = [torch.cat([h_sup, h_unsup])] if strategy == "concat" else [h_sup, h_unsup]
+    return [h_sup] * (schedule == "official") + step_b  # Step A forwards the labeled batch alone
 
-    ``"concat"``: one update with the pooled statistics; ``"separate"``: two updates, labeled then
-    unlabeled (:func:`ema_fixed_point`; with ``momentum=None`` the equal-weight average).
 
-    Shapes: ``(N_sup, C, *)``, ``(N_unsup, C, *)`` -> ``{"mean": (C,), "var": (C,)}``.
+def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, momentum: float | None = 0.1,
+                 schedule: str = "official") -> dict[str, torch.Tensor]:
+    """Where ``running_mean`` and ``running_var`` settle when the same two batches are fed every iteration:
+    :func:`ema_fixed_point` of the iteration's forwards (module docstring), with ``momentum=None`` their
+    equal-weight average (the cumulative average of every forward).
+
+    Shapes: ``(N_sup, C, *)``, ``(N_unsup, C, *)`` -> ``{"mean": (C,), "var": (C,)}`` (``var`` unbiased).
+
+    Raises:
+        ValueError: an unknown strategy or schedule, a bad momentum, inputs that are not BatchNorm inputs.
     """
-    _check(h_sup, h_unsup, strategy, momentum)
-    if strategy == "concat":
-        mean, var, n = batch_stats(torch.cat([h_sup, h_unsup]))
-        return {"mean": mean, "var": unbiased(var, n)}
-    (m_s, v_s, n_s), (m_u, v_u, n_u) = batch_stats(h_sup), batch_stats(h_unsup)
-    stats = {"mean": [m_s, m_u], "var": [unbiased(v_s, n_s), unbiased(v_u, n_u)]}
-    return {k: sum(v) / 2 if momentum is None else ema_fixed_point(v, momentum) for k, v in stats.items()}
+    _check(h_sup, h_unsup, strategy, momentum, schedule)
+    stats = [batch_stats(h) for h in _forwards(h_sup, h_unsup, strategy, schedule)]
+    parts = {"mean": [m for m, _, _ in stats], "var": [unbiased(v, n) for _, v, n in stats]}
+    return {k: sum(v) / len(v) if momentum is None else ema_fixed_point(v, momentum) for k, v in parts.items()}
 
 
-def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str,
-                        momentum: float | None = 0.1, eps: float = 1e-5) -> dict[str, torch.Tensor]:
+def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, momentum: float | None = 0.1,
+                        eps: float = 1e-5, schedule: str = "official") -> dict[str, torch.Tensor]:
     """Per part, the largest (over channels) ``|eval z - train z|`` of the part's mean, where ``z`` is the
-    normalised value with the steady-state running statistics (eval) or the train-mode ones (the part's
-    own batch's mean and biased variance under ``"separate"``, the pooled ones under ``"concat"``); in units
-    of the normalised activation. Returns ``{"sup": scalar, "unsup": scalar}``.
+    normalised value with the steady-state running statistics (eval) or with Step B's train-mode ones (the
+    part's own batch's mean and biased variance under ``"separate"``, the pooled ones under ``"concat"``); in
+    units of the normalised activation. Returns ``{"sup": scalar, "unsup": scalar}``.
 
     Raises:
         ValueError: as :func:`steady_state`, or an ``eps`` that is not a finite number >= 0.
     """
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0.0 <= eps < float("inf"):
         raise ValueError(f"eps must be a finite number >= 0 (BatchNorm's default is 1e-5), got {eps!r}.")
-    run, out = steady_state(h_sup, h_unsup, strategy, momentum), {}
+    run, out = steady_state(h_sup, h_unsup, strategy, momentum, schedule), {}
     for part, h in (("sup", h_sup), ("unsup", h_unsup)):
         own = h if strategy == "separate" else torch.cat([h_sup, h_unsup])  # what train mode normalises h with
         (mean_p, _, _), (t_mean, t_var, _) = batch_stats(h), batch_stats(own)
@@ -137,16 +148,17 @@ def train_eval_mismatch(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: st
     return out
 
 
-def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, steps: int) -> nn.Module:
-    """Feed a train-mode BatchNorm ``bn`` the same two batches ``steps`` times, in place, under no_grad:
-    one forward of the concatenation per step, or labeled then unlabeled. Returns ``bn``.
+def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, steps: int,
+                 schedule: str = "official") -> nn.Module:
+    """Feed a train-mode BatchNorm ``bn`` the forwards of ``steps`` iterations (module docstring), the same
+    two batches each time, in place, under no_grad. Returns ``bn``.
 
     Raises:
-        ValueError: before running anything, for an unknown strategy, ``steps`` not an integer >= 1, a
-            module that is not a BatchNorm layer with running statistics in train mode, or inputs that
-            :func:`steady_state` refuses or whose channels differ from ``bn.num_features``.
+        ValueError: before running anything, for an unknown strategy or schedule, ``steps`` not an integer
+            >= 1, a module that is not a BatchNorm layer with running statistics in train mode, or inputs
+            that :func:`steady_state` refuses or whose channels differ from ``bn.num_features``.
     """
-    _check(h_sup, h_unsup, strategy)
+    _check(h_sup, h_unsup, strategy, schedule=schedule)
     _count(steps, "steps", 1)
     if not isinstance(bn, _BatchNorm) or bn.running_mean is None or not bn.training:
         raise ValueError("bn must be a BatchNorm layer with running statistics (track_running_stats=True) in "
@@ -155,6 +167,6 @@ def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, stra
         raise ValueError(f"bn has {bn.num_features} channels but the inputs have {h_sup.shape[1]}.")
     with torch.no_grad():
         for _ in range(steps):
-            for h in ([torch.cat([h_sup, h_unsup])] if strategy == "concat" else [h_sup, h_unsup]):
+            for h in _forwards(h_sup, h_unsup, strategy, schedule):
                 bn(h)
     return bn

@@ -2,12 +2,13 @@
 
 :func:`compare_forwards` is the project's question for any ``k`` batches and any loss: the same
 ``loss_fn(outputs)`` and one backward after (``"concat"``) one forward of ``torch.cat(batches)``
-split back by rows, or (``"separate"``) one forward per batch. Each forward builds its own graph;
-the graphs meet at the shared parameters' ``AccumulateGrad`` leaves, so the gradients add up. The
-two agree up to rounding exactly when no layer couples the samples of a batch in the current mode
-(no train-mode BatchNorm, no dropout draws). :func:`compare_strategies` is the MCD Step B case.
+split back by rows, or (``"separate"``) one forward per batch. The gradient of a sum of losses is the
+sum of their gradients (linearity), whatever the shape of the graphs; separate graphs only meet at the
+shared parameters' ``AccumulateGrad`` leaves. So the two agree up to rounding exactly when every layer
+treats each sample on its own in the current mode: not train-mode BatchNorm, whose batch statistics
+couple the samples. Dropout couples nothing; it agrees when its masks do (one random stream drawn in
+another order differs). :func:`compare_strategies` is the MCD Step B case.
 """
-from __future__ import annotations
 
 import copy
 import itertools

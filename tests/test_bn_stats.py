@@ -1,9 +1,14 @@
-"""mcd_helpers.bn_stats: steady states against nn.BatchNorm2d run to convergence, and formulas by hand."""
+"""mcd_helpers.bn_stats: steady states against nn.BatchNorm2d and the package's fine-tuning loop run to
+convergence, and formulas by hand."""
 import pytest
 import torch
 from torch import nn
 
 from mcd_helpers import bn_stats
+from mcd_helpers.config import MCDConfig
+from mcd_helpers.models import TwoHeadNet
+from mcd_helpers.splits import Split
+from mcd_helpers.train import train
 
 D = torch.float64
 
@@ -25,27 +30,60 @@ def mean_var(h, unbiased):
 
 @pytest.mark.parametrize("momentum, steps", [(0.1, 400), (0.5, 60), (None, 50)])
 @pytest.mark.parametrize("strategy", ["concat", "separate"])
-def test_steady_state_is_where_batchnorm_settles(strategy, momentum, steps):
+@pytest.mark.parametrize("schedule", ["official", "step_b"])
+def test_steady_state_is_where_batchnorm_settles(strategy, momentum, steps, schedule):
     h_sup, h_unsup = two_batches()
-    bn = bn_stats.run_bn_steps(nn.BatchNorm2d(3, momentum=momentum).double(), h_sup, h_unsup, strategy, steps)
-    want = bn_stats.steady_state(h_sup, h_unsup, strategy, momentum)
+    bn = bn_stats.run_bn_steps(nn.BatchNorm2d(3, momentum=momentum).double(), h_sup, h_unsup, strategy, steps, schedule)
+    want = bn_stats.steady_state(h_sup, h_unsup, strategy, momentum, schedule)
     torch.testing.assert_close(bn.running_mean, want["mean"], rtol=0, atol=1e-12)
     torch.testing.assert_close(bn.running_var, want["var"], rtol=0, atol=1e-12)
-    assert int(bn.num_batches_tracked) == steps * (1 if strategy == "concat" else 2)
+    per_step = (1 if strategy == "concat" else 2) + (schedule == "official")  # Step A: one more forward
+    assert int(bn.num_batches_tracked) == steps * per_step
+
+
+@pytest.mark.parametrize("strategy", ["separate", "concat"])
+@pytest.mark.parametrize("schedule", ["official", "step_b"])
+def test_fine_tuning_settles_where_steady_state_says(strategy, schedule):
+    # a BatchNorm on the images themselves: its inputs, so its fixed point, do not move with the weights
+    g = torch.Generator().manual_seed(1)
+    x_sup, y_sup = torch.randn(8, 1, 4, 4, generator=g, dtype=D) + 1.0, torch.arange(8) % 2
+    x_unsup = 2.0 * torch.randn(8, 1, 4, 4, generator=g, dtype=D) - 1.0
+    torch.manual_seed(0)
+    net = TwoHeadNet(nn.Sequential(nn.BatchNorm2d(1), nn.Flatten(), nn.Linear(16, 4)), 4, 2, 1).double()
+    split = Split(x_sup, y_sup, x_unsup, x_sup, y_sup, x_unsup, x_sup, y_sup, x_unsup)  # one batch a stream
+    cfg = MCDConfig(seed=0, finetune_epochs=250, batch_size_sup=8, batch_size_unsup=8, schedule=schedule)
+    train(net, split, cfg, strategy, progress=False)  # one iteration an epoch: the same two batches each time
+    bn, want = net.G[0], bn_stats.steady_state(x_sup, x_unsup, strategy, schedule=schedule)
+    torch.testing.assert_close(bn.running_mean, want["mean"], rtol=0, atol=1e-10)
+    torch.testing.assert_close(bn.running_var, want["var"], rtol=0, atol=1e-10)
+    other = bn_stats.steady_state(x_sup, x_unsup, strategy, schedule={"official": "step_b"}.get(schedule, "official"))
+    assert (bn.running_mean - other["mean"]).abs().max() > 0.05  # the schedules settle apart
+
+
+@pytest.mark.parametrize("strategy, schedule, w_sup", [
+    ("separate", "official", 0.171 / 0.271), ("concat", "official", (0.09 + 0.05) / 0.19),  # equal batch sizes
+    ("separate", "step_b", 0.09 / 0.19), ("concat", "step_b", 0.5)])
+def test_the_labeled_batch_weighs_in_the_running_mean_as_the_schedule_says(strategy, schedule, w_sup):
+    h_sup, h_unsup = two_batches(n_s=6, n_u=6)
+    (m_s, _), (m_u, _) = mean_var(h_sup, True), mean_var(h_unsup, True)
+    got = bn_stats.steady_state(h_sup, h_unsup, strategy, schedule=schedule)["mean"]
+    torch.testing.assert_close(got, w_sup * m_s + (1 - w_sup) * m_u, rtol=0, atol=1e-14)
 
 
 def test_separate_steady_state_is_the_0_09_0_1_blend_of_within_batch_statistics():
     h_sup, h_unsup = two_batches()
     (m_s, v_s), (m_u, v_u) = mean_var(h_sup, True), mean_var(h_unsup, True)
-    got = bn_stats.steady_state(h_sup, h_unsup, "separate")
+    got = bn_stats.steady_state(h_sup, h_unsup, "separate", schedule="step_b")
     torch.testing.assert_close(got["mean"], (0.09 * m_s + 0.1 * m_u) / 0.19, rtol=0, atol=1e-14)
     torch.testing.assert_close(got["var"], (0.09 * v_s + 0.1 * v_u) / 0.19, rtol=0, atol=1e-14)
-    cat = bn_stats.steady_state(h_sup, h_unsup, "concat")  # the pooled statistics, variance unbiased
+    cat = bn_stats.steady_state(h_sup, h_unsup, "concat", schedule="step_b")  # the pooled statistics, unbiased
     m_c, v_c = mean_var(torch.cat([h_sup, h_unsup]), True)
     torch.testing.assert_close(cat["mean"], m_c, rtol=0, atol=1e-14)
     torch.testing.assert_close(cat["var"], v_c, rtol=0, atol=1e-14)
-    none = bn_stats.steady_state(h_sup, h_unsup, "separate", momentum=None)  # cumulative: equal weights
+    none = bn_stats.steady_state(h_sup, h_unsup, "separate", momentum=None, schedule="step_b")  # equal weights
     torch.testing.assert_close(none["mean"], (m_s + m_u) / 2, rtol=0, atol=1e-14)
+    none = bn_stats.steady_state(h_sup, h_unsup, "separate", momentum=None)  # Step A's labeled forward counts too
+    torch.testing.assert_close(none["mean"], (2 * m_s + m_u) / 3, rtol=0, atol=1e-14)
 
 
 @pytest.mark.parametrize("n_s, n_u, std_u, shift_u, separate_larger", [
@@ -54,8 +92,8 @@ def test_separate_steady_state_is_the_0_09_0_1_blend_of_within_batch_statistics(
 ])
 def test_separate_running_var_can_lie_above_or_below_the_pooled_one(n_s, n_u, std_u, shift_u, separate_larger):
     h_s, h_u = two_batches(n_s, n_u, std_u, shift_u)
-    sep = bn_stats.steady_state(h_s, h_u, "separate")["var"]
-    cat = bn_stats.steady_state(h_s, h_u, "concat")["var"]
+    sep = bn_stats.steady_state(h_s, h_u, "separate", schedule="step_b")["var"]
+    cat = bn_stats.steady_state(h_s, h_u, "concat", schedule="step_b")["var"]
     assert ((sep - cat).min() > 0.5) if separate_larger else ((cat - sep).min() > 1.0)
 
 
@@ -87,8 +125,8 @@ def test_ema_fixed_point_by_hand():
 def test_train_eval_mismatch_by_hand():
     h_sup, h_unsup = two_batches()
     eps = 1e-5
-    sep = bn_stats.train_eval_mismatch(h_sup, h_unsup, "separate", eps=eps)
-    cat = bn_stats.train_eval_mismatch(h_sup, h_unsup, "concat", eps=eps)
+    sep = bn_stats.train_eval_mismatch(h_sup, h_unsup, "separate", eps=eps, schedule="step_b")
+    cat = bn_stats.train_eval_mismatch(h_sup, h_unsup, "concat", eps=eps, schedule="step_b")
     # train mode: each part's mean normalises to 0 (its own statistics); eval: with the (0.09, 0.1) / 0.19 blend
     (m_s, v_s), (m_u, v_u) = mean_var(h_sup, True), mean_var(h_unsup, True)
     r_mean, r_var = (0.09 * m_s + 0.1 * m_u) / 0.19, (0.09 * v_s + 0.1 * v_u) / 0.19
@@ -101,14 +139,23 @@ def test_train_eval_mismatch_by_hand():
         want = ((m_p - m_c) * ((v_c * 176 / 175 + eps).rsqrt() - (v_c + eps).rsqrt())).abs().max()
         torch.testing.assert_close(cat[part], want, rtol=0, atol=1e-12)
         assert cat[part] < 0.02
+    # official: Step A's labeled forward pulls the running mean to (0.09 m_s + 0.1 m_cat) / 0.19, away from
+    # the pooled mean concat's Step B normalises with: a mismatch of its own
+    official = bn_stats.train_eval_mismatch(h_sup, h_unsup, "concat", eps=eps)
+    r_mean, r_var = (0.09 * m_s + 0.1 * m_c) / 0.19, (0.09 * v_s + 0.1 * v_c * 176 / 175) / 0.19
+    for part, m_p in (("sup", m_s), ("unsup", m_u)):
+        want = ((m_p - r_mean) / (r_var + eps).sqrt() - (m_p - m_c) / (v_c + eps).sqrt()).abs().max()
+        torch.testing.assert_close(official[part], want, rtol=0, atol=1e-12)
+        assert official[part] > 0.1 > 5 * cat[part]  # here 0.21 and above, against below 0.02
 
 
 H_SUP, H_UNSUP = two_batches()
 
 
 @pytest.mark.parametrize("call, match", [
-    (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "interleave"), "strategy must be 'concat' or 'separate', got 'interleave'"),
-    (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "mixed"), "strategy must be 'concat' or 'separate', got 'mixed'"),
+    (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "interleave"), "strategy must be 'concat' or 'separate'.*got 'interleave'"),
+    (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "mixed"), "strategy must be 'concat' or 'separate'.*got 'mixed'"),
+    (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", schedule="step_a"), "schedule 'official'.*got 'concat' and 'step_a'"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "separate", 1.5), r"momentum must be a number in \(0, 1\].*got 1.5"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "separate", 0.0), r"momentum must be a number in \(0, 1\].*got 0.0"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", "0.1"), "momentum must be a number.*got '0.1'"),
