@@ -20,6 +20,9 @@ reach a fixed point (:func:`ema_fixed_point`) that depends on the forwards of on
 
 A blend of separate updates weighs the *within*-batch variances by the order of the updates, without
 the between-batch term of :func:`pooled_variance`, so it can lie above or below the pooled variance.
+These weights hold for a BatchNorm whose inputs are the same in every forward of an iteration: the first
+one, or any under ``separate``. Under official ``concat`` a deeper layer sees the labeled batch normalised
+differently upstream in Step A (its own statistics) and Step B (pooled), so it has no such fixed weights.
 
 Shapes: BatchNorm inputs ``h: (N, C, *spatial)``; statistics per channel ``(C,)``; counts ``n`` are
 values per channel, ``N * prod(spatial)``.
@@ -46,8 +49,9 @@ def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: s
                          f"'step_b', got {strategy!r} and {schedule!r}.")
     _check_momentum(momentum)
     for name, h in [("h_sup", h_sup)] + ([] if h_unsup is None else [("h_unsup", h_unsup)]):
-        if not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point() or h.shape[1] == 0:
-            raise ValueError(f"{name} must be a floating BatchNorm input of shape (N, C, *spatial), got "
+        if (not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point() or h.shape[1] == 0
+                or not torch.isfinite(h).all()):
+            raise ValueError(f"{name} must be a finite (no NaN or inf) floating BatchNorm input of shape (N, C, *spatial), got "
                              f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}.")
         if h.numel() // h.shape[1] < 2:
             raise ValueError(f"{name} {tuple(h.shape)} has fewer than 2 values per channel: no unbiased variance.")
@@ -99,7 +103,7 @@ def ema_fixed_point(values: Sequence[torch.Tensor], momentum: float) -> torch.Te
     if momentum is None:
         raise ValueError("momentum=None is a cumulative average, not an EMA: use steady_state(..., momentum=None).")
     _check_momentum(momentum)
-    if not values or len({tuple(torch.as_tensor(v).shape) for v in values}) > 1:
+    if len(values) == 0 or len({tuple(torch.as_tensor(v).shape) for v in values}) > 1:
         raise ValueError("values must hold at least one update per step, all of one shape (one statistic per channel).")
     n, keep = len(values), 1.0 - momentum
     return sum(momentum * keep ** (n - 1 - k) * v for k, v in enumerate(values)) / (1.0 - keep**n)
@@ -114,7 +118,8 @@ def steady_state(h_sup: torch.Tensor, h_unsup: torch.Tensor, strategy: str, mome
                  schedule: str = "official") -> dict[str, torch.Tensor]:
     """Where ``running_mean`` and ``running_var`` settle when the same two batches are fed every iteration:
     :func:`ema_fixed_point` of the iteration's forwards (module docstring), with ``momentum=None`` their
-    equal-weight average (the cumulative average of every forward).
+    equal-weight average (the cumulative average of every forward, from ``num_batches_tracked = 0``:
+    forwards counted before, e.g. pre-training's, keep their share).
 
     Shapes: ``(N_sup, C, *)``, ``(N_unsup, C, *)`` -> ``{"mean": (C,), "var": (C,)}`` (``var`` unbiased).
 
@@ -163,8 +168,9 @@ def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, stra
     if not isinstance(bn, _BatchNorm) or bn.running_mean is None or not bn.training:
         raise ValueError("bn must be a BatchNorm layer with running statistics (track_running_stats=True) in "
                          f"train mode (call bn.train()), got {bn!r}.")
-    if h_sup.shape[1] != bn.num_features:
-        raise ValueError(f"bn has {bn.num_features} channels but the inputs have {h_sup.shape[1]}.")
+    if h_sup.shape[1] != bn.num_features or h_sup.dtype != bn.running_mean.dtype:
+        raise ValueError(f"bn has {bn.num_features} channels of {bn.running_mean.dtype} but the inputs have "
+                         f"{h_sup.shape[1]} of {h_sup.dtype}: match them (bn.double(), or h.float()).")
     with torch.no_grad():
         for _ in range(steps):
             for h in _forwards(h_sup, h_unsup, strategy, schedule):

@@ -183,6 +183,8 @@ def test_formulas_refuse_undefined_cases(call, match):
 
 @pytest.mark.parametrize("h, match", [
     (torch.zeros(1, 3), r"\(1, 3\) has fewer than 2 values per channel: no unbiased variance"),
+    (torch.tensor([[0.0, 1.0], [float("nan"), 2.0]]), r"must be a finite \(no NaN or inf\) floating"),
+    (torch.tensor([[0.0, 1.0], [float("inf"), 2.0]]), r"must be a finite \(no NaN or inf\) floating"),
     (torch.zeros(0, 3, 4, 4), "fewer than 2 values per channel"),
     (torch.zeros(4, 3, 0, 2), "fewer than 2 values per channel"),
     (torch.zeros(4, 0), r"floating BatchNorm input of shape \(N, C, \*spatial\), got torch.float32 \(4, 0\)"),
@@ -205,7 +207,7 @@ def test_every_entry_point_checks_each_input(h, match):
     (lambda: nn.Linear(3, 3), 2, r"bn must be a BatchNorm layer with running statistics.*got Linear"),
     (lambda: nn.BatchNorm2d(3, track_running_stats=False), 2, r"track_running_stats=True\).*track_running_stats=False"),
     (lambda: nn.BatchNorm2d(3).eval(), 2, r"in train mode \(call bn.train\(\)\)"),
-    (lambda: nn.BatchNorm2d(5), 2, "bn has 5 channels but the inputs have 3"),
+    (lambda: nn.BatchNorm2d(5), 2, "bn has 5 channels of torch.float64 but the inputs have 3"),
     (lambda: nn.BatchNorm2d(3), 0, "steps must be an integer .*>= 1, got 0"),
     (lambda: nn.BatchNorm2d(3), 2.5, "steps must be an integer .*got 2.5"),
     (lambda: nn.BatchNorm2d(3), True, "steps must be an integer .*got True"),
@@ -216,3 +218,10 @@ def test_run_bn_steps_refuses_before_running_anything(make_bn, steps, match):
     with pytest.raises(ValueError, match=match):
         bn_stats.run_bn_steps(bn, H_SUP, H_UNSUP, "separate", steps)
     assert all(torch.equal(v, bn.state_dict()[k]) for k, v in before.items())
+
+
+def test_run_bn_steps_refuses_a_layer_of_another_dtype_before_counting_a_batch():
+    bn = nn.BatchNorm2d(3)  # float32, the inputs float64: BatchNorm itself would fail after counting one batch
+    with pytest.raises(ValueError, match="channels of torch.float32 but the inputs have 3 of torch.float64"):
+        bn_stats.run_bn_steps(bn, H_SUP, H_UNSUP, "separate", 2)
+    assert int(bn.num_batches_tracked) == 0
