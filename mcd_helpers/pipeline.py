@@ -13,6 +13,7 @@ with ``weights_only=True``. One fine-tuning keeps the best-validation and the la
 both model selections (:func:`selected_epoch`) come from one run.
 """
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -49,6 +50,14 @@ class Data:
     y_train: torch.Tensor
     x_test: torch.Tensor
     y_test: torch.Tensor
+
+
+@contextlib.contextmanager
+def timed(seconds: dict, stage: str):
+    """``with timed(seconds, stage):`` adds the block's wall-clock seconds to ``seconds[stage]`` (a profile)."""
+    t0 = time.perf_counter()
+    yield
+    seconds[stage] = round(seconds.get(stage, 0.0) + time.perf_counter() - t0, 2)
 
 
 def load_data(cfg) -> Data:
@@ -224,8 +233,9 @@ def finetuned(cfg, base: nn.Module, split: Split, ood: str, strategy: str, retra
 
 
 def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, ood: str,
-             methods: Sequence[str] = METHODS) -> tuple[list[dict], dict]:
-    """Every method's metrics and test scores: rows, and ``{name: (id_scores (N_id,), ood_scores (N_ood,))}``.
+             methods: Sequence[str] = METHODS, seconds: dict | None = None) -> tuple[list[dict], dict]:
+    """Every method's metrics and test scores: rows, and ``{name: (id_scores (N_id,), ood_scores (N_ood,))}``;
+    ODIN's search time added to ``seconds["odin search"]`` when ``seconds`` is given.
 
     MSP, ODIN and energy score F1 of ``base``; MCD the discrepancy of each model in ``tuned`` (``{strategy:
     model}``, scores ``"mcd:<strategy>"``); higher = more OOD. ODIN's (T, epsilon): the best validation
@@ -255,8 +265,9 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, oo
     for m in (m for m in METHODS[:3] if m in methods):
         if m == "odin":
             kw = dict(pixel_std=pixel_std(cfg.id_dataset), batch_size=cfg.eval_batch_size, device=cfg.device)
-            t, eps = (tune_odin(base, split.val_id_x, split.val_ood_x, cfg.odin_temperatures, cfg.odin_epsilons, **kw)[:2]
-                      if cfg.selection == "ood-labels" else (1000.0, 0.0014))
+            with timed({} if seconds is None else seconds, "odin search"):
+                t, eps = (tune_odin(base, split.val_id_x, split.val_ood_x, cfg.odin_temperatures, cfg.odin_epsilons,
+                                    **kw)[:2] if cfg.selection == "ood-labels" else (1000.0, 0.0014))
             add(m, None, tuple(odin_scores(base, x, t, [eps], **kw)[0] for x in (split.test_id_x, split.test_ood_x)),
                 l1_id, odin_temperature=t, odin_epsilon=eps)
         else:
@@ -272,13 +283,15 @@ class Result:
     """What :func:`run_ood_set` gives: ``rows`` of every selection (MCD rows also carry the selected epoch's
     ``val_auroc``, ``selected_epoch`` and ``finetune_seconds``) and each row's ``(id_scores, ood_scores)`` in
     ``row_scores``; of the last selection the ``scores`` by name, the ``models`` (``"base"`` and each
-    strategy) and ``histories``; and the ``split``."""
+    strategy) and ``histories``; the ``split``; and the wall-clock ``seconds`` of each stage (a stage loaded
+    from the cache counts its loading; "evaluation" without ODIN's search)."""
     rows: list
     row_scores: list
     scores: dict
     models: dict
     histories: dict
     split: Split
+    seconds: dict = dataclasses.field(default_factory=dict)
 
 
 def run_ood_set(cfg, data: Data, ood: str, selections: Sequence[str] | None = None, methods: Sequence[str] = METHODS,
@@ -289,19 +302,25 @@ def run_ood_set(cfg, data: Data, ood: str, selections: Sequence[str] | None = No
     each selection (default ``cfg.selection``; all from the same runs). ``on_epoch(strategy, epoch, history)``
     when given; checkpoints in ``checkpoint_dir`` (resumable)."""
     retrain = set() if retrain is True else retrain  # each stage once, though every selection asks for it
-    split = make_split(cfg, data, ood)
-    base = pretrained(cfg, split, retrain, progress, log, checkpoint_dir, resume)
+    seconds = {}
+    with timed(seconds, "split"):
+        split = make_split(cfg, data, ood)
+    with timed(seconds, "pre-training"):
+        base = pretrained(cfg, split, retrain, progress, log, checkpoint_dir, resume)
     rows, row_scores = [], []
     for i, selection in enumerate(selections or (cfg.selection,)):
         c, tuned, hists, secs = dataclasses.replace(cfg, selection=selection), {}, {}, {}
         for s in (cfg.strategies if "mcd" in methods else ()):  # later selections load the same runs, quietly
             cb = None if on_epoch is None or i else (lambda e, h, s=s: on_epoch(s, e, h))
-            tuned[s], hists[s], secs[s] = finetuned(c, base, split, ood, s, retrain, progress, None if i else log, cb,
-                                                    checkpoint_dir, resume)
-        found, scores = evaluate(c, base, tuned, split, ood, methods)
+            with timed(seconds, f"fine-tuning {s}"):
+                tuned[s], hists[s], secs[s] = finetuned(c, base, split, ood, s, retrain, progress, None if i else log,
+                                                        cb, checkpoint_dir, resume)
+        with timed(seconds, "evaluation"):
+            found, scores = evaluate(c, base, tuned, split, ood, methods, seconds)
         for r in (r for r in found if r["method"] == "mcd"):
             h = hists[r["strategy"]]
             r.update(val_auroc=h.val_auroc[h.best_epoch], selected_epoch=h.best_epoch, finetune_seconds=secs[r["strategy"]])
         rows += found
         row_scores += [scores[f"mcd:{r['strategy']}" if r["method"] == "mcd" else r["method"]] for r in found]
-    return Result(rows, row_scores, scores, {"base": base, **tuned}, hists, split)
+    seconds["evaluation"] = round(seconds["evaluation"] - seconds.get("odin search", 0.0), 2)
+    return Result(rows, row_scores, scores, {"base": base, **tuned}, hists, split, seconds)

@@ -9,7 +9,8 @@ The folder (:func:`output_folder`, shared with ``benchmark``): one run at a time
 A reproduction checks before any training everything that can be checked (the device, every OOD
 set, every split's sizes, errors naming the flag), then per OOD set runs
 :func:`~mcd_helpers.pipeline.run_ood_set` and writes ``hist_<ood>.png`` and ``roc_<ood>.png``; at
-the end ``config.json``, ``results.json`` and ``results.md`` together. An OOD set that fails later
+the end ``config.json``, ``results.json`` and ``results.md`` together, and prints and records in
+``run.json`` (``"seconds"``) the wall-clock seconds of each stage. An OOD set that fails later
 is recorded and the others still run. Under torchrun rank 0 alone writes.
 """
 
@@ -19,6 +20,7 @@ import datetime
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +30,7 @@ from .config import MCDConfig
 from .data import cache_dir, data_dir, writable
 from .errors import CheckpointError, ConfigError, TrainingInterrupted
 from .files import atomic_write, write_json
-from .pipeline import load_data, make_split, run_ood_set
+from .pipeline import load_data, make_split, run_ood_set, timed
 
 OUTPUTS = ("results.json", "results.md", "summary.md", "config.json", "forest.png", "by_protocol.png")
 
@@ -145,9 +147,11 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     with output_folder(out, {"config": cfg.to_dict()}, resume, fresh, quiet) as info:
         if log and cache_dir() != data_dir():
             log(f"note: {data_dir()} is read-only: data is read from it, downloads and caches go to {cache_dir()}.")
-        data = load_data(cfg)
-        for ood in cfg.ood_sets:  # every split made once before training: sizes, and OOD sets that cannot be had
-            check_split(cfg, make_split(cfg, data, ood), f"the {ood} split")
+        profile, started = {}, time.perf_counter()  # wall-clock seconds of each stage, into run.json
+        with timed(profile, "data"):
+            data = load_data(cfg)
+            for ood in cfg.ood_sets:  # every split made once before training: sizes, and OOD sets that cannot be had
+                check_split(cfg, make_split(cfg, data, ood), f"the {ood} split")
         rows, failures, retrained = [], {}, set() if retrain else False
         for ood in cfg.ood_sets:
             try:
@@ -164,8 +168,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                 log("\n".join(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}%"
                               f" | FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%"
                               for r in res.rows))
-            if ddp.is_main():
-                _plots(out, ood, cfg.id_dataset, res.scores)
+            profile[ood] = res.seconds
+            with timed(profile, "figures"):
+                if ddp.is_main():
+                    _plots(out, ood, cfg.id_dataset, res.scores)
             rows += [{**r, "world_size": ddp.world()[1]} for r in res.rows]
         if ddp.is_main():
             from .report import results_markdown
@@ -174,7 +180,10 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                                "results.json": json.dumps(rows, indent=2, allow_nan=False) + "\n",
                                "results.md": results_markdown(rows, failures)}.items():
                 atomic_write(out / name, text)
-        info.update(status="partial" if failures else "finished", failures=failures)
+        profile["total"] = round(time.perf_counter() - started, 2)
+        info.update(status="partial" if failures else "finished", failures=failures, seconds=profile)
+        if log:
+            log(f"seconds of each stage (also in run.json): {json.dumps(profile)}")
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(cfg.ood_sets)} OOD sets failed: "
                            + "; ".join(f"{k}: {v}" for k, v in failures.items())

@@ -49,6 +49,39 @@ def test_a_finished_run_writes_its_three_files_together_and_says_finished(tmp_pa
     assert {p.name for p in out.glob("*.png")} == {"hist_gaussian.png", "roc_gaussian.png"}
 
 
+def test_run_json_profiles_each_stage(tmp_path, cache, monkeypatch, capsys):
+    import mcd_helpers.pipeline as pipeline
+
+    real = pipeline.tune_odin
+
+    def slow_search(*args, **kwargs):  # a search known to take at least 0.4 s
+        time.sleep(0.4)
+        return real(*args, **kwargs)
+
+    real_evaluate, evaluated = pipeline.evaluate, []
+
+    def clocked(*args, **kwargs):  # evaluate's wall time, taken from outside
+        t0 = time.perf_counter()
+        try:
+            return real_evaluate(*args, **kwargs)
+        finally:
+            evaluated.append(time.perf_counter() - t0)
+
+    monkeypatch.setattr(pipeline, "tune_odin", slow_search)
+    monkeypatch.setattr(pipeline, "evaluate", clocked)
+    out = tmp_path / "out"
+    assert main(["reproduce", "--out", str(out), *TINY[1:]]) == 0
+    seconds = run_json(out)["seconds"]
+    stages = seconds["gaussian"]
+    assert set(seconds) == {"data", "gaussian", "figures", "total"}
+    assert set(stages) == {"split", "pre-training", "fine-tuning separate", "odin search", "evaluation"}
+    assert stages["odin search"] >= 0.4  # evaluation is evaluate() without the search: the two add up to it
+    assert abs(stages["evaluation"] + stages["odin search"] - evaluated[0]) < 0.05
+    parts = seconds["data"] + sum(stages.values()) + seconds["figures"]
+    assert all(v >= 0 for v in stages.values()) and parts <= seconds["total"] < parts + 1.0  # nothing left out
+    assert f'"odin search": {stages["odin search"]}' in capsys.readouterr().out  # and printed
+
+
 def test_unfinished_work_stops_a_run_without_resume_or_fresh_and_fresh_deletes_it(tmp_path, cache, capsys):
     out = tmp_path / "out"
     (out / "checkpoints").mkdir(parents=True)
