@@ -51,12 +51,13 @@ def _check(h_sup: torch.Tensor, h_unsup: torch.Tensor | None = None, strategy: s
     for name, h in [("h_sup", h_sup)] + ([] if h_unsup is None else [("h_unsup", h_unsup)]):
         if (not isinstance(h, torch.Tensor) or h.dim() < 2 or not h.is_floating_point() or h.shape[1] == 0
                 or not torch.isfinite(h).all()):
-            raise ValueError(f"{name} must be a finite (no NaN or inf) floating BatchNorm input of shape (N, C, *spatial), got "
-                             f"{getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}.")
+            raise ValueError(f"{name} must be a finite (no NaN or inf) floating BatchNorm input of shape "
+                             f"(N, C, *spatial), got {getattr(h, 'dtype', type(h).__name__)} {tuple(getattr(h, 'shape', ()))}.")
         if h.numel() // h.shape[1] < 2:
             raise ValueError(f"{name} {tuple(h.shape)} has fewer than 2 values per channel: no unbiased variance.")
-    if h_unsup is not None and h_sup.shape[1:] != h_unsup.shape[1:]:
-        raise ValueError(f"h_sup {tuple(h_sup.shape)} and h_unsup {tuple(h_unsup.shape)} must agree but in batch size.")
+    if h_unsup is not None and (h_sup.shape[1:] != h_unsup.shape[1:] or h_sup.dtype != h_unsup.dtype):
+        raise ValueError(f"h_sup {tuple(h_sup.shape)} and h_unsup {tuple(h_unsup.shape)} must agree but in batch size, "
+                         f"and in dtype ({h_sup.dtype}, {h_unsup.dtype}).")
 
 
 def _count(n, name: str, low: int) -> None:

@@ -302,12 +302,11 @@ def run_ood_set(cfg, data: Data, ood: str, selections: Sequence[str] | None = No
     each selection (default ``cfg.selection``; all from the same runs). ``on_epoch(strategy, epoch, history)``
     when given; checkpoints in ``checkpoint_dir`` (resumable)."""
     retrain = set() if retrain is True else retrain  # each stage once, though every selection asks for it
-    seconds = {}
+    rows, row_scores, seconds = [], [], {}
     with timed(seconds, "split"):
         split = make_split(cfg, data, ood)
     with timed(seconds, "pre-training"):
         base = pretrained(cfg, split, retrain, progress, log, checkpoint_dir, resume)
-    rows, row_scores = [], []
     for i, selection in enumerate(selections or (cfg.selection,)):
         c, tuned, hists, secs = dataclasses.replace(cfg, selection=selection), {}, {}, {}
         for s in (cfg.strategies if "mcd" in methods else ()):  # later selections load the same runs, quietly

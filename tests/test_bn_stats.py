@@ -162,6 +162,8 @@ H_SUP, H_UNSUP = two_batches()
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP, "concat", True), "momentum must be a number.*got True"),
     (lambda: bn_stats.steady_state(H_SUP, H_UNSUP[:, :2], "separate"),
      r"h_sup \(6, 3, 4, 4\) and h_unsup \(5, 2, 4, 4\) must agree but in batch size"),
+    (lambda: bn_stats.run_bn_steps(nn.BatchNorm2d(3).double(), H_SUP, H_UNSUP.float(), "separate", 2),
+     r"must agree but in batch size, and in dtype \(torch.float64, torch.float32\)"),
     (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "separate", eps=-1.0), "eps must be a finite number >= 0.*got -1.0"),
     (lambda: bn_stats.train_eval_mismatch(H_SUP, H_UNSUP, "separate", eps=float("inf")), "eps must be a finite number"),
     (lambda: bn_stats.ema_fixed_point([], 0.1), "values must hold at least one update per step"),
