@@ -1,7 +1,8 @@
 # Quick start:  make demo   (set up, run the Fashion-MNIST MCD reproduction, print the table)
 #               make test   (set up, run the whole test suite)
 # Also:         make lab    (JupyterLab on the notebooks)
-PYTHON ?= python3.11
+# The first Python >= 3.11 found (3.11 is the one tested); override with make PYTHON=/path/to/python.
+PYTHON ?= $(firstword $(foreach p,python3.11 python3.12 python3.13 python3,$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $(p))))
 VENV   := .venv
 PY     := $(VENV)/bin/python
 APT_PACKAGES := graphviz dataset-fashion-mnist
@@ -13,7 +14,7 @@ DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
 .PHONY: demo test lab system-deps notebooks clean
 
 $(VENV)/.core: pyproject.toml
-	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run make PYTHON=/path/to/python3.11"; exit 1; }
+	@[ -n "$(PYTHON)" ] && command -v $(PYTHON) >/dev/null || { echo "error: no Python >= 3.11 found (looked for python3.11, python3.12, python3.13, python3); install one (sudo apt-get install python3.11) or run make PYTHON=/path/to/python3"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e .
 	touch $@

@@ -171,7 +171,7 @@ _QUICK = dict(pretrain_epochs=4, pretrain_milestones=(3,), steps_per_epoch=150)
 
 PRESETS: dict[str, MCDConfig] = {
     # CPU-sized: Fashion-MNIST, small_cnn (BatchNorm), 4 pre-training epochs, one fine-tuning epoch of 150
-    # iterations; lr 0.003 instead of the official 0.01 (README: ID accuracy under separate forwards).
+    # iterations; lr 0.003 instead of the official 0.01 (docs/results.md: ID accuracy under separate forwards).
     "quick": MCDConfig(**_QUICK, finetune_lr=0.003),
     "quick-step-b": MCDConfig(**_QUICK, **_STEP_B),  # the same pre-trained network, the blog's fine-tuning
     # Notebooks 04-05 in full mode: the "quick" pre-trained network, 3 fine-tuning epochs.
