@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m mcd_helpers reproduce --preset quick --out runs/demo            # CPU, about 10 minutes
+    python -m mcd_helpers reproduce --preset quick --out runs/demo            # CPU, about 15 minutes
     python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
     python -m mcd_helpers reproduce --preset quick --out runs/x --strategies concat --margin 0.8
     torchrun --standalone --nproc_per_node=2 -m mcd_helpers reproduce --preset quick --out runs/ddp
@@ -22,6 +22,7 @@ data not found, folder not writable or in use, unfinished work); 130 / 143 inter
 
 import argparse
 import inspect
+import json
 import re
 import sys
 import typing
@@ -36,7 +37,8 @@ def _csv(kind):
     return lambda text: tuple(kind(v.strip()) for v in text.split(",") if v.strip())
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; each field flag's help shows the default of the preset named in ``argv`` (else ``quick``)."""
     parser = argparse.ArgumentParser(prog="python -m mcd_helpers", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -47,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
                            description="A preset's grid over seeds: held-out Fashion-MNIST classes, protocols, MCD "
                            "strategies, MSP, ODIN, energy; write results.json, scores/, summary.md, plots into --out.")
     for p, default in ((rep, "quick"), (bench, "near-ood-quick")):
-        p.add_argument("--preset", default=default, help=f"named settings (default {default}); see --list-presets")
+        p.add_argument("--preset", default=default,
+                       help=f"named settings (default {default}); see --list-presets; --preset NAME --help shows NAME's")
         p.add_argument("--list-presets", action="store_true", help="show the presets and exit")
         p.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
         p.add_argument("--retrain", action="store_true", help="train every stage again even if cached (each once)")
@@ -57,25 +60,43 @@ def build_parser() -> argparse.ArgumentParser:
     for name, kind in (("seeds", int), ("class-splits", _csv(str)), ("protocols", _csv(str)), ("strategies", _csv(str)),
                        ("selections", _csv(str))):
         bench.add_argument(f"--{name}", type=kind, help=f"{name.replace('-', ' ')} (default: the preset's)")
+    bench.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the preset's, cpu)")
+    rep.add_argument("--config", type=Path, help="rerun a run: its DIR/config.json instead of a preset (flags override)")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default="quick")
+    name = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].preset
+    shown = PRESETS.get(name, PRESETS["quick"])
     # each field's help: its comment in MCDConfig's source; None (argparse's default): not given
     comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", inspect.getsource(MCDConfig), re.M))
     for f, hint in typing.get_type_hints(MCDConfig).items():
-        text = (f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")).replace("%", "%%")
+        text = f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")
         kind = (dict(action=argparse.BooleanOptionalAction) if hint is bool else
                 dict(type=_csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint))
-        rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=f"{text} (default: the preset's)", **kind)
+        value = ",".join(map(str, v)) if isinstance(v := getattr(shown, f), tuple) else v
+        rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=f"{text} ({name}: {value})".replace("%", "%%"), **kind)
     return parser
 
 
 def config_from_args(args: argparse.Namespace) -> MCDConfig:
-    """The preset ``args.preset`` with every flag given applied (KeyError: an unknown preset; ConfigError: a bad
-    value)."""
-    return get_preset(args.preset, **{f.name: getattr(args, f.name) for f in fields(MCDConfig)
-                                      if getattr(args, f.name) is not None})
+    """The preset ``args.preset``, or the run's ``args.config`` file, with every flag given applied (KeyError: an
+    unknown preset; ConfigError: a bad value, or a config file that is unreadable or names an unknown field)."""
+    flags = {f.name: getattr(args, f.name) for f in fields(MCDConfig) if getattr(args, f.name) is not None}
+    if getattr(args, "config", None) is None:
+        return get_preset(args.preset, **flags)
+    try:
+        saved = json.loads(args.config.read_text())
+        wrong = (f"a JSON {type(saved).__name__}, not an object" if not isinstance(saved, dict) else
+                 (unknown := sorted(set(saved) - {f.name for f in fields(MCDConfig)})) and f"unknown fields {unknown}")
+    except (OSError, ValueError) as err:  # missing, not JSON
+        wrong = f"{type(err).__name__}: {err}"
+    if wrong:
+        raise ConfigError("config", f"--config {args.config} is not a run's config.json ({wrong}); pass the "
+                                    "config.json that reproduce wrote into its --out folder.")
+    return MCDConfig(**{**saved, **flags})
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     import os
 
     tag = "" if os.environ.get("RANK", "0") == "0" else f"[rank {os.environ['RANK']}] "  # torchrun: every rank reports
@@ -98,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             from .benchmark import run_benchmark
 
             run_benchmark(args.preset, args.out, args.seeds, args.class_splits, args.protocols, args.strategies,
-                          args.selections, **how)
+                          args.selections, device=args.device, **how)
         else:
             from .run import run_reproduction
 

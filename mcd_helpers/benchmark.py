@@ -33,7 +33,7 @@ from .files import atomic_write, write_json
 from .forwards import STRATEGIES
 from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
 from .report import write_report
-from .run import check_split, output_folder
+from .run import check_device, check_split, output_folder
 from .splits import PROTOCOLS, class_split
 
 
@@ -166,7 +166,7 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
 
 def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_splits=None, protocols=None,
                   strategies=None, selections=None, retrain: bool = False, progress: bool = True, quiet: bool = False,
-                  resume: bool = False, fresh: bool = False) -> list[dict]:
+                  resume: bool = False, fresh: bool = False, device: str | None = None) -> list[dict]:
     """Run a benchmark preset into ``out_dir`` (the module docstring says what it writes). Every setting and
     every split is checked before training; cells already in ``out_dir/cells`` with the same settings are reused.
 
@@ -174,11 +174,14 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
         the rows of ``results.json`` (metrics as fractions).
 
     Raises:
-        ConfigError: a bad preset, seed count, class split, protocol, strategy, selection or size;
+        ConfigError: a bad preset, seed count, class split, protocol, strategy, selection, size or device;
             ``--resume`` on cells written with other settings (field ``resume``); an out folder in use or
             holding unfinished work. DataNotFoundError: before training. TrainingInterrupted: SIGTERM/SIGINT.
     """
     p = check_benchmark(preset, seeds, class_splits, protocols, strategies, selections)
+    if device is not None:  # every cell on this device (ConfigError if PyTorch sees no such device)
+        check_device(device)
+        p = dataclasses.replace(p, config=dataclasses.replace(p.config, device=device))
     if bad := [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]:
         raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
     out, t0 = Path(out_dir), time.time()

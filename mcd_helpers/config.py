@@ -67,7 +67,7 @@ class MCDConfig:
 
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
-    strategies: tuple[str, ...] = ("separate", "concat")  # how Step B feeds its batches (forwards.STRATEGIES)
+    strategies: tuple[str, ...] = ("separate", "concat")  # separate | concat | split-bn | recalibrate (forwards)
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
     finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)

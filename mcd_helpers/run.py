@@ -114,6 +114,17 @@ def check_split(cfg, split, name: str) -> None:
                                      f"(train_subset={cfg.train_subset}, n_val={cfg.n_val}).")
 
 
+def check_device(device: str) -> None:
+    """ConfigError (field ``device``) unless ``device`` names a device this PyTorch sees (cpu, cuda[:i], xpu, mps)."""
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        raise ConfigError("device", f"device={device!r} is not a device name; use cpu, cuda or cuda:0.") from None
+    if not {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
+            "mps": torch.backends.mps.is_available()}.get(kind, False):
+        raise ConfigError("device", f"device={device!r}, but PyTorch sees no such device; run with --device cpu.")
+
+
 def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progress: bool = True, quiet: bool = False,
                      resume: bool = False, fresh: bool = False) -> list[dict]:
     """The reproduction of ``cfg`` into ``out_dir`` (see the module docstring); ``resume`` continues an
@@ -132,13 +143,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         FloatingPointError: training diverged. TrainingInterrupted: SIGTERM/SIGINT.
     """
     cfg.check_ood_sets()
-    try:
-        torch.device(cfg.device)
-    except RuntimeError:
-        raise ConfigError("device", f"device={cfg.device!r} is not a device name; use cpu, cuda or cuda:0.") from None
-    if not {"cpu": True, "cuda": torch.cuda.is_available(), "xpu": hasattr(torch, "xpu") and torch.xpu.is_available(),
-            "mps": torch.backends.mps.is_available()}.get(torch.device(cfg.device).type, False):
-        raise ConfigError("device", f"device={cfg.device!r}, but PyTorch sees no such device; run with --device cpu.")
+    check_device(cfg.device)
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     cfg = dataclasses.replace(cfg, device=ddp.setup(cfg.device))

@@ -94,3 +94,57 @@ def test_a_bug_keeps_its_traceback(monkeypatch, tmp_path):
     monkeypatch.setattr("mcd_helpers.run.run_reproduction", broken)
     with pytest.raises(ZeroDivisionError):
         main(["reproduce", "--out", str(tmp_path / "o")])
+
+
+def _help_of(argv: list[str]) -> dict:
+    rep = build_parser(argv)._subparsers._group_actions[0].choices["reproduce"]
+    return {a.dest: a.help for a in rep._actions}
+
+
+@pytest.mark.parametrize("preset", ["quick", "paper-cifar10-densenet"])
+def test_help_shows_the_named_presets_own_defaults(preset):
+    # the help is read from the parser built for "--preset NAME --help"; the values come from PRESETS itself
+    shown = _help_of(["reproduce", "--preset", preset, "--help"])
+    p = PRESETS[preset]
+    assert shown["finetune_lr"].endswith(f"({preset}: {p.finetune_lr})")
+    assert shown["model"].endswith(f"({preset}: {p.model})")
+    assert shown["ood_sets"].endswith(f"({preset}: {','.join(p.ood_sets)})")
+    assert _help_of(["reproduce", "--help"])["finetune_lr"].endswith("(quick: 0.003)")  # quick's, not the dataclass's 0.01
+    assert MCDConfig().finetune_lr == 0.01
+
+
+def test_every_flag_has_help_and_strategies_lists_all_four():
+    from mcd_helpers.forwards import STRATEGIES
+
+    parser = build_parser([])
+    for sub in parser._subparsers._group_actions[0].choices.values():
+        assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
+    assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 4
+
+
+def test_config_reruns_a_run_and_flags_override_it(tmp_path):
+    ran = dataclasses.replace(PRESETS["quick"], margin=0.7, ood_sets=("digits",), seed=3)
+    import json
+    (tmp_path / "config.json").write_text(json.dumps(ran.to_dict()))  # what reproduce writes
+    assert cfg_of("--config", str(tmp_path / "config.json")) == ran
+    assert cfg_of("--config", str(tmp_path / "config.json"), "--seed", "4") == dataclasses.replace(ran, seed=4)
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "FileNotFoundError"), ("not json", "JSONDecodeError"), ('{"margin": 1.0, "lr": 3}', "unknown fields ['lr']"),
+    ("[1, 2]", "a JSON list, not an object")])
+def test_a_bad_config_file_is_refused_with_its_path(tmp_path, capsys, text, message):
+    path = tmp_path / "config.json"
+    if text is not None:
+        path.write_text(text)
+    assert main(["reproduce", "--out", str(tmp_path / "o"), "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err and "not a run's config.json" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_benchmark_refuses_a_device_pytorch_does_not_see(tmp_path, capsys, no_data):
+    device = "cuda" if not torch.cuda.is_available() else "cuda:99"
+    assert main(["benchmark", "--preset", "near-ood-quick", "--out", str(tmp_path / "b"), "--device", device]) == 2
+    assert "PyTorch sees no such device" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
