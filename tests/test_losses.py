@@ -184,3 +184,20 @@ def test_logits_must_be_a_2d_tensor(fn):
         fn(torch.zeros(3))
     with pytest.raises(TypeError, match="logits1 must be a torch.Tensor of shape"):
         fn([[0.0, 1.0]])
+
+
+@pytest.mark.parametrize("share, k", [(0.5, 10), (1 / 3, 10), (0.4, 6), (797 / 9797, 10)])
+def test_ood_share_alone_cannot_reach_the_margin(share, k):
+    # Notebook 01: the batch-mean gap is at most share * log K + (1 - share) * g_ID, because a sample's gap
+    # H(p1) - H(p2) lies in [-log K, log K]. Checked with the package's entropy and discrepancy loss: OOD rows
+    # at the largest gap (F1 uniform, F2 one-hot), ID rows with equal heads (gap 0).
+    n = 9797 if share == 797 / 9797 else 30
+    n_ood = round(share * n)
+    one_hot = 200.0 * torch.eye(k)[:1].repeat(n, 1)
+    f1 = torch.cat([torch.zeros(n_ood, k), one_hot[n_ood:]])
+    loss = discrepancy_loss(f1, one_hot, margin=1.2)
+    by_hand = 1.2 - n_ood / n * math.log(k)  # every setting of the notebook: below the margin
+    assert by_hand > 0 and abs(loss.item() - by_hand) < 1e-4
+    gen = torch.Generator().manual_seed(0)
+    l1, l2 = torch.randn(500, k, generator=gen) * 5, torch.randn(500, k, generator=gen) * 5
+    assert ((entropy(l1) - entropy(l2)).abs() <= math.log(k) + 1e-6).all()  # no sample beyond log K
