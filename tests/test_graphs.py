@@ -122,3 +122,32 @@ def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(ImportError, match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'"):
         draw_graph(torch.ones(2, requires_grad=True).sum())
+
+
+def test_a_linear_weights_consumers_are_its_transposed_views_one_per_forward():
+    # notebook 03: under separate forwards the weight's AccumulateGrad is reached through two TBackward0 nodes
+    lin = torch.nn.Linear(3, 2)
+    loss = lin(torch.randn(4, 3)).sum() + lin(torch.randn(5, 3)).sum()
+    found, stack, seen = [], [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        for child, _ in node.next_functions:
+            if child is not None and getattr(child, "variable", None) is lin.weight:
+                found.append(type(node).__name__)
+            stack.append(child)
+    assert found == ["TBackward0", "TBackward0"]
+    assert param_consumers(loss, lin)["weight"] == 2
+
+
+def test_two_gradient_contributions_sum_bit_for_bit():
+    # one addition of two floats is commutative, so the accumulated gradient equals g1 + g2 exactly
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(50, 50, generator=gen, requires_grad=True)
+    x1, x2 = torch.randn(7, 50, generator=gen), torch.randn(9, 50, generator=gen)
+    l1, l2 = (x1 @ w).tanh().sum(), (x2 @ w).sin().sum()
+    g1, g2 = torch.autograd.grad(l1, w, retain_graph=True)[0], torch.autograd.grad(l2, w, retain_graph=True)[0]
+    (l1 + l2).backward()
+    assert torch.equal(w.grad, g1 + g2) and torch.equal(w.grad, g2 + g1)
