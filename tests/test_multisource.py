@@ -172,3 +172,26 @@ def test_without_train_mode_coupling_eval_and_train_accuracy_are_the_same(runs):
 def test_bad_settings_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         train_sources(**kwargs)
+
+
+def _mixmatch_interleave(xy, batch):
+    # YU1ut/MixMatch-pytorch train.py, written out: k groups per batch, group i of batch 0 <-> group i of batch i
+    k = len(xy)
+    bounds = [round(p * batch / k) for p in range(k + 1)]
+    parts = [[v[bounds[p]:bounds[p + 1]] for p in range(k)] for v in xy]
+    for i in range(1, k):
+        parts[0][i], parts[i][i] = parts[i][i], parts[0][i]
+    return [torch.cat(p) for p in parts]
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_fixmatch_and_mixmatch_interleave_agree_on_shares_for_two_sources_only(k):
+    n = 12
+    sources = [torch.full((n,), s) for s in range(k)]
+    fix = [torch.bincount(ch, minlength=k).tolist() for ch in interleave(torch.cat(sources), k).chunk(k)]
+    mix = [torch.bincount(b, minlength=k).tolist() for b in _mixmatch_interleave(sources, n)]
+    assert fix == [[n // k] * k] * k  # FixMatch: every chunk an equal share of every source
+    assert mix[0] == [n // k] * k  # MixMatch: batch 0 is representative ...
+    # ... batch i keeps its own rows except group i, which it gave to batch 0: no other source reaches it
+    assert all(mix[i] == [n // k if s == 0 else (n - n // k if s == i else 0) for s in range(k)] for i in range(1, k))
+    assert (fix == mix) == (k == 2)
