@@ -119,3 +119,24 @@ def test_bad_scores_are_refused(bad, match):
 def test_tpr_level_must_be_a_fraction(level, match):
     with pytest.raises(ValueError, match=r"tpr_level is a fraction in \(0, 1\], " + match):
         ood_metrics([0.1], [0.2], tpr_level=level)
+
+
+def _official_fpr95(id_scores, ood_scores):
+    # the official test.py's estimator (YU1ut/UOOD-MCD), rewritten: FPR averaged over the thresholds
+    # (distinct scores + 1e-4, and -0.1, 0, 2.1) whose TPR (ID accepted as score < t) is in [0.9495, 0.9505]
+    deltas = sorted(set([-0.1, 0.0, 2.1] + [float(v) + 1e-4 for v in np.r_[id_scores, ood_scores]]))
+    fprs = [np.mean(ood_scores <= d) for d in deltas if 0.9495 <= np.mean(id_scores < d) <= 0.9505]
+    return sum(fprs) / len(fprs) if fprs else float("nan")
+
+
+def test_the_official_fpr95_averages_a_band_and_is_undefined_for_small_id_sets():
+    rng = np.random.default_rng(0)
+    ten_id = np.linspace(0.0, 0.9, 10)
+    assert np.isnan(_official_fpr95(ten_id, np.array([0.5, 1.0])))  # TPR moves in steps of 0.1
+    assert ood_metrics(ten_id, np.array([0.5, 1.0]))["fpr95"] == 0.5  # ours: all 10 ID accepted at t = 0.9
+    s_id, s_ood = rng.uniform(0, 1, 9000), rng.uniform(0.3, 1.3, 9000)  # 9,000 ID: several thresholds in the band
+    deltas = np.unique(np.r_[s_id, s_ood]) + 1e-4
+    in_band = [d for d in deltas if 0.9495 <= np.mean(s_id < d) <= 0.9505]
+    assert len(in_band) > 5  # an average over many thresholds, not one point
+    ours = ood_metrics(s_id, s_ood)["fpr95"]
+    assert abs(_official_fpr95(s_id, s_ood) - ours) < 0.01 and _official_fpr95(s_id, s_ood) != ours

@@ -299,3 +299,26 @@ def test_write_report(tmp_path):
     assert matplotlib.image.imread(tmp_path / "near" / "by_protocol.png").shape[:2] == (360, 920)
     write_report([r for r in rows if r["task"] == "far-ood"], tmp_path / "far")
     assert [p.name for p in (tmp_path / "far").iterdir()] == ["summary.md"]
+
+
+def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
+    # docs/near-ood.md and notebook 07: per class split, from the committed rows, with scipy's paired t-test
+    import json
+    from pathlib import Path
+
+    from scipy import stats as sps
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "benchmarks/results/near-ood/results.json").read_text())
+    auroc = {(r["class_split"], r["protocol"], r["strategy"], r["seed"]): r["auroc"] for r in rows
+             if r["task"] == "near-ood" and r["method"] == "mcd" and r["norm"] == "batch" and r["selection"] == "ood-labels"}
+    result = {}
+    for split in "abc":
+        for protocol in ("transductive", "disjoint"):
+            d = np.array([auroc[(split, protocol, "concat", s)] - auroc[(split, protocol, "separate", s)] for s in range(5)])
+            half = sps.t.ppf(0.975, 4) * d.std(ddof=1) / np.sqrt(5)
+            result[(split, protocol)] = (100 * d.mean(), 100 * half, sps.ttest_1samp(d, 0).pvalue)
+    assert [round(result[(s, "disjoint")][0], 2) for s in "abc"] == [3.72, -0.49, 0.32]
+    assert [round(result[(s, "transductive")][0], 2) for s in "abc"] == [3.23, 0.22, 0.06]
+    mean, half, p = result[("a", "disjoint")]
+    assert mean - half > 0 and round(half, 2) == 2.39 and round(p, 3) == 0.012
+    assert all(abs(result[(s, pr)][0]) < result[(s, pr)][1] for s in "bc" for pr in ("transductive", "disjoint"))

@@ -359,3 +359,32 @@ def test_resuming_with_other_settings_is_refused(tmp_path, key, strategy, match)
     with pytest.raises(ConfigError, match=match) as err:
         train(_model(), split, cfg, strategy, checkpoint=ckpt, resume=True, key=key, progress=False)
     assert err.value.field == "resume" and ckpt.read_bytes() == before
+
+
+def test_three_sgd_optimizers_as_the_official_solver_equal_trains_one():
+    # official solver.py: one SGD each for G, F1, F2 (same settings), zeroed and stepped together
+    split = _split(torch.float64)
+    model = _model().double()
+    cfg = _cfg(finetune_epochs=1, steps_per_epoch=1, finetune_weight_decay=0.01)
+    i_sup, i_unsup = _perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8]
+    xs, ys, xu = split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup]
+    net = copy.deepcopy(model).train()
+    opts = [torch.optim.SGD(m.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum,
+                            weight_decay=cfg.finetune_weight_decay) for m in (net.G, net.F1, net.F2)]
+    feat = net.G(xs)
+    step_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys)
+    for k in range(2):
+        if k == 1:
+            (l1s, l2s), (l1u, l2u) = net(xs), net(xu)
+            loss = (F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys)
+                    + torch.clamp(cfg.margin - (_entropy(l1u) - _entropy(l2u)).mean(), min=0))
+        for o in opts:
+            o.zero_grad()
+        (step_a if k == 0 else loss).backward()
+        for o in opts:
+            o.step()
+    got = copy.deepcopy(model)
+    train(got, split, cfg, "separate", progress=False)  # one optimizer over every parameter
+    for (k, a), b in zip(net.state_dict().items(), got.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=k)
+    assert max((a - b).abs().max().item() for a, b in zip(net.parameters(), model.parameters())) > 1e-3
