@@ -31,6 +31,16 @@ def test_committed_without_outputs(path):
     assert not with_out, f"{path.name}: cells {with_out} carry outputs; clear them before committing"
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_each_notebook_has_two_exercises_whose_answers_are_executed(path):
+    # "Predict before you run": the answer hidden in <details>, and the next code cell asserts it
+    cells = nbformat.read(path, as_version=4).cells
+    answered = [i for i, c in enumerate(cells[:-1]) if c.cell_type == "markdown"
+                and c.source.startswith("**Predict before you run.**") and "<details>" in c.source
+                and cells[i + 1].cell_type == "code" and "assert" in cells[i + 1].source]
+    assert len(answered) >= 2, f"{path.name}: {len(answered)} exercises with an executed answer"
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_headless(path, monkeypatch):
