@@ -51,6 +51,7 @@ notebooks: $(VENV)/.core
 	MCD_QUICK=1 $(VENV)/bin/jupyter nbconvert --log-level WARN --to notebook --execute --ExecutePreprocessor.timeout=900 --output-dir build/notebooks $(NOTEBOOKS)
 	$(VENV)/bin/jupyter nbconvert --log-level WARN --to html $(addprefix build/notebooks/,$(notdir $(NOTEBOOKS)))
 
+test: EXTRA_APT += chromium  # the notebooks' browser tests
 test: system-deps $(VENV)/.dev
 	$(PY) -m pytest -ra
 

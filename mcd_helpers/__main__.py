@@ -49,8 +49,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
                            description="A preset's grid over seeds: held-out Fashion-MNIST classes, protocols, MCD "
                            "strategies, MSP, ODIN, energy; write results.json, scores/, summary.md, plots into --out.")
     for p, default in ((rep, "quick"), (bench, "near-ood-quick")):
-        p.add_argument("--preset", default=default,
-                       help=f"named settings (default {default}); see --list-presets; --preset NAME --help shows NAME's")
+        shows = "; --preset NAME --help shows NAME's values" if p is rep else ""
+        p.add_argument("--preset", default=default, help=f"named settings (default {default}); see --list-presets{shows}")
         p.add_argument("--list-presets", action="store_true", help="show the presets and exit")
         p.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
         p.add_argument("--retrain", action="store_true", help="train every stage again even if cached (each once)")
@@ -65,7 +65,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="quick")
     name = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].preset
-    shown = PRESETS.get(name, PRESETS["quick"])
+    name = name if name in PRESETS else "quick"  # an unknown name is refused when the command runs
+    shown = PRESETS[name]
     # each field's help: its comment in MCDConfig's source; None (argparse's default): not given
     comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", inspect.getsource(MCDConfig), re.M))
     for f, hint in typing.get_type_hints(MCDConfig).items():
