@@ -371,18 +371,18 @@ def test_three_sgd_optimizers_as_the_official_solver_equal_trains_one():
     net = copy.deepcopy(model).train()
     opts = [torch.optim.SGD(m.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum,
                             weight_decay=cfg.finetune_weight_decay) for m in (net.G, net.F1, net.F2)]
-    feat = net.G(xs)
-    step_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys)
-    for k in range(2):
-        if k == 1:
-            (l1s, l2s), (l1u, l2u) = net(xs), net(xu)
-            loss = (F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys)
-                    + torch.clamp(cfg.margin - (_entropy(l1u) - _entropy(l2u)).mean(), min=0))
+    def step(loss):
         for o in opts:
             o.zero_grad()
-        (step_a if k == 0 else loss).backward()
+        loss.backward()
         for o in opts:
             o.step()
+
+    feat = net.G(xs)
+    step(F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys))  # Step A
+    (l1s, l2s), (l1u, l2u) = net(xs), net(xu)  # Step B, separate forwards
+    step(F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys)
+         + torch.clamp(cfg.margin - (_entropy(l1u) - _entropy(l2u)).mean(), min=0))
     got = copy.deepcopy(model)
     train(got, split, cfg, "separate", progress=False)  # one optimizer over every parameter
     for (k, a), b in zip(net.state_dict().items(), got.state_dict().values()):
