@@ -1,6 +1,7 @@
 # Quick start:  make demo   (set up, run the Fashion-MNIST MCD reproduction, print the table)
 #               make test   (set up, run the whole test suite)
-# Also:         make lab    (JupyterLab on the notebooks)
+# Also:         make lab    (JupyterLab on the notebooks), make site (the static site),
+#               make test-full (every notebook in full mode, headless)
 # The first Python >= 3.11 found (3.11 is the one tested); override with make PYTHON=/path/to/python.
 PYTHON ?= $(firstword $(foreach p,python3.11 python3.12 python3.13 python3,$(shell command -v $(p) >/dev/null 2>&1 && $(p) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null && echo $(p))))
 VENV   := .venv
@@ -11,7 +12,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 # Notebooks that `make demo` executes (quick mode) into build/notebooks/ as .ipynb and .html.
 DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
 
-.PHONY: demo test lab system-deps notebooks clean
+.PHONY: demo test test-full site lab system-deps notebooks clean
 
 $(VENV)/.core: pyproject.toml
 	@[ -n "$(PYTHON)" ] && command -v $(PYTHON) >/dev/null || { echo "error: no Python >= 3.11 found (looked for python3.11, python3.12, python3.13, python3); install one (sudo apt-get install python3.11) or run make PYTHON=/path/to/python3"; exit 1; }
@@ -54,6 +55,16 @@ notebooks: $(VENV)/.core
 test: EXTRA_APT += chromium  # the notebooks' browser tests
 test: system-deps $(VENV)/.dev
 	$(PY) -m pytest -ra
+
+# Every notebook top to bottom in full mode (what make lab runs), headless; not part of make test.
+# Wall times go to build/notebook_times_full.json, executed copies to build/executed-full/.
+test-full: system-deps $(VENV)/.dev
+	MCD_FULL=1 $(PY) -m pytest -ra -s -m notebook tests/test_notebooks.py
+
+# The static site (README as landing page, the notebooks executed in quick mode, docs/) in
+# build/site/; reuses the copies make test executed, executes the missing ones (docs/build_site.py).
+site: system-deps $(VENV)/.dev
+	$(PY) docs/build_site.py
 
 lab: system-deps $(VENV)/.core
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) notebooks/
