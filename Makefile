@@ -69,5 +69,7 @@ site: system-deps $(VENV)/.dev
 lab: system-deps $(VENV)/.core
 	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 $$( [ "$$(id -u)" = 0 ] && echo --allow-root ) notebooks/
 
+# build/ (executed notebooks, the site, the test suite's own cache) and pytest's cache; runs/ holds
+# your results and the data cache (docs/data.md) your data and networks: neither is touched.
 clean:
-	rm -rf build runs .pytest_cache
+	rm -rf build .pytest_cache

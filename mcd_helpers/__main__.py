@@ -29,7 +29,9 @@ import typing
 from dataclasses import fields
 from pathlib import Path
 
-from .config import PRESETS, MCDConfig, get_preset
+from .config import PRESETS, SELECTIONS, MCDConfig, get_preset
+from .forwards import STRATEGIES
+from .splits import CLASS_SPLITS, PROTOCOLS
 from .errors import ConfigError, exit_code
 
 
@@ -57,9 +59,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         p.add_argument("--resume", action="store_true", help="continue the interrupted run in --out (same settings)")
         p.add_argument("--fresh", action="store_true", help="delete unfinished work and results in --out, start over")
         p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
-    for name, kind in (("seeds", int), ("class-splits", _csv(str)), ("protocols", _csv(str)), ("strategies", _csv(str)),
-                       ("selections", _csv(str))):
-        bench.add_argument(f"--{name}", type=kind, help=f"{name.replace('-', ' ')} (default: the preset's)")
+    splits = "comma-separated, of " + ",".join(CLASS_SPLITS) + " or written as ID/OOD class digits (012345/6789)"
+    for name, kind, values in (("seeds", int, "a count"), ("class-splits", _csv(str), splits),
+                               ("protocols", _csv(str), PROTOCOLS), ("strategies", _csv(str), STRATEGIES),
+                               ("selections", _csv(str), SELECTIONS)):
+        of = values if isinstance(values, str) else "comma-separated, of " + ",".join(values)
+        bench.add_argument(f"--{name}", type=kind, help=f"{name.replace('-', ' ')}: {of} (default: the preset's)")
     bench.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the preset's, cpu)")
     rep.add_argument("--config", type=Path, help="rerun a run: its DIR/config.json instead of a preset (flags override)")
     pre = argparse.ArgumentParser(add_help=False)

@@ -120,6 +120,12 @@ def test_every_flag_has_help_and_strategies_lists_all_four():
     for sub in parser._subparsers._group_actions[0].choices.values():
         assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
     assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 4
+    bench = {a.dest: a.help for a in parser._subparsers._group_actions[0].choices["benchmark"]._actions}
+    from mcd_helpers.config import SELECTIONS
+    from mcd_helpers.splits import CLASS_SPLITS, PROTOCOLS
+    for dest, values in (("strategies", STRATEGIES), ("protocols", PROTOCOLS), ("selections", SELECTIONS),
+                         ("class_splits", tuple(CLASS_SPLITS))):
+        assert "of " + ",".join(values) in bench[dest], (dest, bench[dest])
 
 
 def test_config_reruns_a_run_and_flags_override_it(tmp_path):
