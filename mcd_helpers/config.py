@@ -38,7 +38,7 @@ class MCDConfig:
     """
 
     # --- data ---
-    id_dataset: str = "fashion_mnist"
+    id_dataset: str = "fashion_mnist"  # the ID set: fashion_mnist | cifar10 | cifar100 (data.ID_DATASETS)
     ood_sets: tuple[str, ...] = OFFLINE_OOD_SETS  # add "mnist" when it is on disk
     ood_size: int = 10_000  # images of each generated OOD set (ODIN's 10,000)
     n_val: int = 1000  # validation images of each of ID and OOD (official loader)
@@ -58,12 +58,12 @@ class MCDConfig:
     norm: str = "batch"  # small_cnn only: batch | group | none
 
     # --- pre-training: CE on both heads (not in the official code, which ships checkpoints) ---
-    pretrain_epochs: int = 3
-    pretrain_lr: float = 0.05
-    pretrain_momentum: float = 0.9
+    pretrain_epochs: int = 3  # epochs of supervised pre-training (paper-sized: 300)
+    pretrain_lr: float = 0.05  # SGD learning rate of pre-training, before the milestones
+    pretrain_momentum: float = 0.9  # SGD momentum of pre-training
     pretrain_weight_decay: float = 5e-4  # unofficial reproduction
     pretrain_milestones: tuple[int, ...] = (2,)  # lr x 0.1 at these epochs (paper-sized: 150, 225)
-    pretrain_batch_size: int = 128
+    pretrain_batch_size: int = 128  # labeled images per pre-training step
 
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
@@ -71,20 +71,20 @@ class MCDConfig:
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
     finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)
-    finetune_momentum: float = 0.9
-    finetune_weight_decay: float = 1e-4
-    batch_size_sup: int = 128
-    batch_size_unsup: int = 128
+    finetune_momentum: float = 0.9  # official train.py: 0.9
+    finetune_weight_decay: float = 1e-4  # official train.py: 1e-4 (its resumed optimizer state: notebook 05)
+    batch_size_sup: int = 128  # labeled ID images per step (official train.py: 128)
+    batch_size_unsup: int = 128  # unlabeled images per step (official: the same loader batch size, 128)
     margin: float = 1.2  # nats, official default
 
     # --- baselines: ODIN's grid (paper Sec. 4.2: T in 1..1000, eps in 0..0.004), a coarser one of the same range ---
-    odin_temperatures: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)
-    odin_epsilons: tuple[float, ...] = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.003, 0.004)
+    odin_temperatures: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)  # ODIN: softmax temperatures T searched
+    odin_epsilons: tuple[float, ...] = (0.0, 0.0005, 0.001, 0.0014, 0.002, 0.003, 0.004)  # ODIN: input perturbations
 
     # --- run ---
-    seed: int = 0
-    eval_batch_size: int = 1000
-    device: str = "cpu"
+    seed: int = 0  # seeds the weights, the data order and the generated OOD sets
+    eval_batch_size: int = 1000  # images per evaluation forward (memory, not results)
+    device: str = "cpu"  # cpu, cuda, cuda:1, mps
     num_threads: int = 0  # 0 = PyTorch's default
     checkpoint_every: int = 50  # steps between checkpoints (and at every epoch end); 0 = epoch ends only
 
