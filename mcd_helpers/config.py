@@ -25,6 +25,8 @@ PRETRAIN_FIELDS = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_l
 # How to run, not what to compute: left out of every cache key, so they may change between a run and its
 # resume. num_threads, eval_batch_size and the GPU options change numbers at rounding level only;
 # selection picks one of the two weights a fine-tuning keeps; the ODIN grid only changes evaluation.
+# channels_last, when on, enters every key all the same: its rounding, amplified by training, gave
+# another network (MSP FPR95 8.59 -> 46.82%, docs/speed.md), which a cached NCHW one must not stand for.
 RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
               "compile", "data_on_device", "ood_sets", "strategies", "odin_temperatures", "odin_epsilons")
 

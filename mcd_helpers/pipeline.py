@@ -99,12 +99,14 @@ def cache_key(cfg, stage: str, **more) -> str:
     """16 hex digits of a hash of what ``stage``'s result depends on: pre-training hashes
     :data:`~mcd_helpers.config.PRETRAIN_FIELDS` with the protocol reduced to what the labeled set is (every
     ID training image, or those left after ``n_holdout``: disjoint and unseen-ood share a network); the other
-    stages every field but :data:`~mcd_helpers.config.RUN_FIELDS`; plus ``more`` (the OOD set, the strategy)
-    and, under torchrun, the world size and SyncBatchNorm."""
+    stages every field but :data:`~mcd_helpers.config.RUN_FIELDS`; plus ``more`` (the OOD set, the strategy),
+    ``channels_last`` when on, and, under torchrun, the world size and SyncBatchNorm."""
     fields, held = {k: v for k, v in cfg.to_dict().items() if k not in RUN_FIELDS}, cfg.protocol != "transductive"
     if stage == "pretrain":  # the protocol reduced to what the labeled set is
         skip = ("protocol",) if held else ("protocol", "n_holdout", "split_seed")
         fields = {**{k: fields[k] for k in PRETRAIN_FIELDS if k not in skip}, "labeled": "holdout" if held else "all"}
+    if cfg.channels_last:  # NHWC trains another network (docs/speed.md); off, the keys stay what they were
+        fields["channels_last"] = True
     if ddp.world()[1] > 1:
         fields.update(world_size=ddp.world()[1], sync_bn=cfg.sync_bn)
     blob = json.dumps({"stage": stage, **fields, **more}, sort_keys=True, default=str)

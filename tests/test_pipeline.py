@@ -143,13 +143,14 @@ def _other(value):
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(MCDConfig)])
 def test_which_fields_change_which_key(name):
     """Pre-training: the fields of PRETRAIN_FIELDS, where a transductive run's labeled set ignores n_holdout and
-    split_seed; fine-tuning: every field but RUN_FIELDS (how to run, not what)."""
+    split_seed; fine-tuning: every field but RUN_FIELDS (how to run, not what); channels_last=True both."""
     changed = copy.copy(TINY)
     setattr(changed, name, _other(getattr(TINY, name)))
-    pre = name in PRETRAIN_FIELDS and name not in ("n_holdout", "split_seed")
+    layout = name == "channels_last"  # a run field that enters every key when on (another network)
+    pre = name in PRETRAIN_FIELDS and name not in ("n_holdout", "split_seed") or layout
     assert (cache_key(changed, "pretrain") != cache_key(TINY, "pretrain")) == pre
     assert (cache_key(changed, "finetune", ood="gaussian", strategy="separate")
-            != cache_key(TINY, "finetune", ood="gaussian", strategy="separate")) == (name not in RUN_FIELDS)
+            != cache_key(TINY, "finetune", ood="gaussian", strategy="separate")) == (name not in RUN_FIELDS or layout)
 
 
 def test_the_pretraining_key_follows_the_labeled_set_not_the_protocols_name():
