@@ -3,8 +3,8 @@
     python docs/build_site.py          (what ``make site`` runs; writes build/site/index.html)
 
 The notebooks are the copies ``make test`` executed (tests/test_notebooks.py writes them to
-build/executed/); a notebook with no executed copy is executed here first, the same way
-(nbclient, MCD_QUICK=1). The pages are assembled in build/site-src/ with the repository's layout,
+build/executed/); a notebook whose executed copy is missing or older (other cell sources) is
+executed here first, the same way (nbclient, MCD_QUICK=1). The pages are assembled in build/site-src/ with the repository's layout,
 so every relative link and image in README.md and docs/ means on the site what it means on GitHub,
 and Sphinx with myst-nb renders them (docs/conf.py), warnings as errors. Sphinx + myst-nb rather
 than Jupyter Book: Jupyter Book 1 is a wrapper around exactly these two, and Jupyter Book 2 needs
@@ -76,11 +76,18 @@ def execute(notebook: Path, out_dir: Path = EXECUTED, timeout: int = 900, quick:
     return seconds
 
 
+def _executed_copy_is_current(notebook: Path) -> bool:
+    """An executed copy exists and its cells' sources are the notebook's (not an older version's)."""
+    copy = EXECUTED / notebook.name
+    sources = lambda path: [c.source for c in nbformat.read(path, as_version=4).cells]
+    return copy.exists() and sources(copy) == sources(notebook)
+
+
 def assemble() -> list[Path]:
-    """Fill build/site-src/ (executing the notebooks that have no executed copy); return the notebooks."""
+    """Fill build/site-src/ (executing the notebooks without a current executed copy); return the notebooks."""
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     for nb in notebooks:
-        if not (EXECUTED / nb.name).exists():
+        if not _executed_copy_is_current(nb):
             print(f"executing {nb.name} (quick mode) ...", flush=True)
             print(f"  {execute(nb):.0f} s", flush=True)
     shutil.rmtree(SRC, ignore_errors=True)

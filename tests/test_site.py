@@ -136,3 +136,18 @@ def test_each_notebook_page_shows_its_figures_graphs_and_exercises(path, pages):
     assert pictures >= 1 or not (promised["figures"] or promised["graphs"])
     assert shown["details"] >= exercises >= 2
     assert "Traceback (most recent call last)" not in shown["text"]
+
+
+def test_an_executed_copy_counts_only_while_its_sources_are_the_notebooks(tmp_path, monkeypatch):
+    monkeypatch.setattr(build_site, "EXECUTED", tmp_path / "executed")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# t"), nbformat.v4.new_code_cell("x = 1")])
+    path = tmp_path / "n.ipynb"
+    nbformat.write(nb, path)
+    assert not build_site._executed_copy_is_current(path)  # no copy yet
+    (tmp_path / "executed").mkdir()
+    nb.cells[1].outputs = [nbformat.v4.new_output("stream", text="1")]  # executed: outputs differ, sources not
+    nbformat.write(nb, tmp_path / "executed" / "n.ipynb")
+    assert build_site._executed_copy_is_current(path)
+    nb.cells[1].source = "x = 2"  # the notebook changed since
+    nbformat.write(nb, path)
+    assert not build_site._executed_copy_is_current(path)
