@@ -1,8 +1,10 @@
-"""Notebook 08's sections 8 and 9 checked against torch itself: bf16 autocast with two forwards, DataParallel.
+"""Notebook 08's sections 8 and 9: bf16 autocast with two forwards, and DataParallel with BatchNorm.
 
-Each claim is recomputed here another way: the running mean BatchNorm keeps under autocast against a
-float64 mean of its bf16 input; bf16 against float16 underflow from their formats; DataParallel's
-forward written out (chunk, replicas, cat) against separate forwards and a replica's buffers.
+The running mean BatchNorm keeps under autocast is checked against a float64 mean of its bf16
+input; bf16 against float16 underflow from their formats' constants. DataParallel: on the CPU the
+notebook's written-out forward (chunk, replicas, cat) is checked against the package's separate
+forwards and a fresh network's one update; the real ``nn.DataParallel`` against the same where two
+GPUs are (skipped on this project's CPU machines).
 """
 import copy
 
@@ -51,7 +53,7 @@ def _mcd_loss(y):
     return loss
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_bf16_makes_the_strategies_differ_by_rounding_and_coupling_stays_larger(seed):
     torch.manual_seed(seed)
     net = small_cnn(width=8)
@@ -63,8 +65,10 @@ def test_bf16_makes_the_strategies_differ_by_rounding_and_coupling_stays_larger(
             c = compare_forwards(model, [xs, xu], _mcd_loss(y))
             rel[name, mode], diff[name, mode] = c.max_grad_diff / c.grad_scale, c
     assert rel["fp32", "eval"] < 1e-5 < rel["bf16", "eval"] < 4 * BF16_EPS
-    assert diff["bf16", "eval"].loss_diff == 0
+    assert diff["bf16", "eval"].loss_diff <= BF16_EPS * abs(diff["bf16", "eval"].loss_concat)  # row by row
     assert diff["bf16", "train"].max_grad_diff > 10 * diff["bf16", "eval"].max_grad_diff
+    # the coupling is of one size in both precisions (seeds 0-9 measured: bf16 / float32 = 0.90 to 1.23)
+    assert 2 / 3 < diff["bf16", "train"].max_grad_diff / diff["fp32", "train"].max_grad_diff < 1.5
 
 
 def test_bf16_keeps_float32s_range_float16_underflows():
@@ -74,28 +78,43 @@ def test_bf16_keeps_float32s_range_float16_underflows():
     assert torch.finfo(torch.float16).tiny == 2.0 ** -14
 
 
+def _bn_means(model):
+    return [m.running_mean.cpu() for m in model.modules() if isinstance(m, nn.BatchNorm1d)]
+
+
 def test_data_parallel_written_out_is_separate_forwards_and_keeps_the_first_chunks_statistics():
+    # the notebook's CPU emulation: replica 0 is the module itself, the others copies
     torch.manual_seed(0)
     base, x = source_net("batch").double(), torch.randn(64, 8, dtype=torch.float64)
     chunks = x.chunk(2)
     dp = copy.deepcopy(base)
-    replicas = [dp, copy.deepcopy(dp)]  # replica 0 shares the module's buffers (nn.DataParallel's documentation)
-    out_dp = torch.cat([r(c) for r, c in zip(replicas, chunks)])
-    # separate forwards through the package, and the first chunk alone, by other code paths
-    sep = copy.deepcopy(base)
+    out_dp = torch.cat([r(c) for r, c in zip([dp, copy.deepcopy(dp)], chunks)])
+    sep, first = copy.deepcopy(base), copy.deepcopy(base)  # other code paths: the package, one fresh update
     out_sep = torch.cat(forward_outputs(sep, list(chunks), "separate"))
-    first = copy.deepcopy(base)
     first(chunks[0])
     assert torch.allclose(out_dp, out_sep, rtol=0, atol=1e-12)
     assert (out_dp - copy.deepcopy(base)(x)).abs().max() > 1e-3
-    for a, b in zip(dp.modules(), first.modules()):
-        if isinstance(a, nn.BatchNorm1d):
-            assert torch.equal(a.running_mean, b.running_mean) and int(a.num_batches_tracked) == 1
+    assert all(torch.equal(a, b) for a, b in zip(_bn_means(dp), _bn_means(first)))
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU DataParallel scatters for real")
-def test_data_parallel_without_a_gpu_is_the_module_itself():
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nn.DataParallel scatters only over two or more GPUs")
+def test_real_data_parallel_on_two_gpus_normalises_per_chunk_and_keeps_chunk_0s_statistics():
+    torch.manual_seed(0)
+    base, x = source_net("batch").cuda(), torch.randn(64, 8, device="cuda")
+    chunks = x.chunk(2)
+    dp_module = copy.deepcopy(base)
+    out_dp = nn.DataParallel(dp_module, device_ids=[0, 1])(x)
+    out_sep = torch.cat(forward_outputs(copy.deepcopy(base), list(chunks), "separate"))
+    first = copy.deepcopy(base)
+    first(chunks[0])
+    assert torch.allclose(out_dp, out_sep, atol=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(_bn_means(dp_module), _bn_means(first)))
+
+
+def test_data_parallel_without_devices_is_the_module_itself():
     torch.manual_seed(0)
     base, x = source_net("batch"), torch.randn(32, 8)
     wrapped = nn.DataParallel(copy.deepcopy(base))
-    assert wrapped.device_ids == [] and torch.equal(wrapped(x), copy.deepcopy(base)(x))
+    if wrapped.device_ids:
+        pytest.skip(f"DataParallel found devices {wrapped.device_ids} here")
+    assert torch.equal(wrapped(x), copy.deepcopy(base)(x))
