@@ -18,12 +18,25 @@ from build_site import EXECUTED, execute  # noqa: E402
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+def readme_table() -> str:  # the README's section listing the notebooks
+    return (ROOT / "README.md").read_text().split("## The notebooks", 1)[1].split("\n## ", 1)[0]
+
+
 def test_readme_lists_exactly_the_notebooks():
     # The README's table of notebooks is how a reader finds them: no notebook missing, none invented.
-    readme = (ROOT / "README.md").read_text()
-    table = readme.split("## The notebooks", 1)[1].split("\n## ", 1)[0]
+    table = readme_table()
     listed = set(re.findall(r"^\| \[`(\d\d_\w+)`\]\(notebooks/\1\.ipynb\) \|", table, flags=re.M))
     assert listed == {p.stem for p in NOTEBOOKS} and len(NOTEBOOKS) >= 6
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_first_cell_says_what_it_needs_builds_and_takes_as_the_readme_does(path):
+    first = nbformat.read(path, as_version=4).cells[0].source
+    said = re.search(r"\*\*Before you start\.\*\* Needs: .+?\. Builds: .+?\. Time on 2 CPU cores: "
+                     r"(.+?) in quick mode \(.+?\), (.+?) in full mode", first, flags=re.S)
+    assert said, f"{path.name}: the first cell has no 'Before you start' paragraph (needs, builds, times)"
+    row = re.search(rf"^\| \[`{path.stem}`\]\([^)]*\) \| ([^|]+?) \| ([^|]+?) \|", readme_table(), flags=re.M)
+    assert row and said.groups() == row.groups(), (said.groups(), row and row.groups())
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
