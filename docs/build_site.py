@@ -9,6 +9,10 @@ so every relative link and image in README.md and docs/ means on the site what i
 and Sphinx with myst-nb renders them (docs/conf.py), warnings as errors. Sphinx + myst-nb rather
 than Jupyter Book: Jupyter Book 1 is a wrapper around exactly these two, and Jupyter Book 2 needs
 Node.js; this way the site is one pip install and one conf.py.
+
+Run on its own, a notebook executed here reads and fills your data and network cache
+($MCD_DATA_DIR, else ~/.cache/mcd_helpers; docs/data.md), as ``make lab`` does; under ``make test``
+it uses the test suite's own cache (tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -47,12 +51,14 @@ CHANGELOG
 
 NOTE = ("> This page is the notebook as `make test` executed it, headless in quick mode (`MCD_QUICK=1`), "
         "so its numbers are quick mode's. Widgets show their last state; to move them, run the notebook "
-        "yourself: `make lab` opens it in JupyterLab (full mode).")
+        "yourself: `make lab` opens it in JupyterLab (full mode). The page reads offline except its "
+        "maths (MathJax) and widgets, whose scripts come from a CDN and need a network.")
 
 
-def execute(notebook: Path, out_dir: Path = EXECUTED, timeout: int = 900, quick: bool = True) -> float:
+def execute(notebook: Path, out_dir: Path | None = None, timeout: int = 900, quick: bool = True) -> float:
     """Run ``notebook`` top to bottom in quick mode (``quick=False``: full mode, what ``make lab``
-    runs), write the executed copy to ``out_dir``; ``timeout`` is seconds per cell.
+    runs), write the executed copy to ``out_dir`` (None: ``EXECUTED`` as it is at the call);
+    ``timeout`` is seconds per cell.
 
     Returns the wall time in seconds. Raises ``nbclient.exceptions.CellExecutionError`` (the
     failing cell and its traceback) when a cell raises; nothing is written then.
@@ -69,6 +75,7 @@ def execute(notebook: Path, out_dir: Path = EXECUTED, timeout: int = 900, quick:
     start = time.time()
     client.execute(env=env)  # the kernel's environment; ours stays as it is
     seconds = time.time() - start
+    out_dir = EXECUTED if out_dir is None else out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / (notebook.name + ".part")
     nbformat.write(nb, tmp)

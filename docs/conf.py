@@ -10,4 +10,5 @@ myst_heading_anchors = 3           # README and docs link to #section anchors
 html_theme = "sphinx_book_theme"
 html_title = "MCD: concatenate or forward twice?"
 html_theme_options = {"show_toc_level": 2, "navigation_with_keys": False}
+html_context = {"default_mode": "auto"}  # without it a first visit logs "Got invalid theme mode" (pydata-sphinx-theme.js)
 html_show_sourcelink = False

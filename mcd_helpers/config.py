@@ -22,11 +22,12 @@ HELD_OUT = "heldout"  # the OOD "set" of a near-OOD task: the held-out classes o
 PRETRAIN_FIELDS = ("id_dataset", "model", "norm", "pretrain_epochs", "pretrain_lr", "pretrain_momentum",
                    "pretrain_weight_decay", "pretrain_milestones", "pretrain_batch_size", "seed", "train_subset", "amp",
                    "class_split", "protocol", "n_holdout", "split_seed")
-# How to run, not what to compute: left out of every cache key, so they may change between a run and its
-# resume. num_threads, eval_batch_size and the GPU options change numbers at rounding level only;
-# selection picks one of the two weights a fine-tuning keeps; the ODIN grid only changes evaluation.
-# channels_last, when on, enters every key all the same: its rounding, amplified by training, gave
-# another network (MSP FPR95 8.59 -> 46.82%, docs/speed.md), which a cached NCHW one must not stand for.
+# Left out of every cache key, so they may change between a run and its resume: how and where to run
+# (num_threads, device, eval_batch_size, the GPU options: the machine decides them, at rounding level),
+# and what only picks or evaluates (selection picks one of the two weights a fine-tuning keeps; the ODIN
+# grid, ood_sets, strategies). A computation the user chooses enters the keys even when it is rounding
+# only: amp does (PRETRAIN_FIELDS), and channels_last does when on, since its rounding, amplified by
+# training, gave another network (MSP FPR95 8.59 -> 46.82%, docs/speed.md).
 RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size", "checkpoint_every", "channels_last",
               "compile", "data_on_device", "ood_sets", "strategies", "odin_temperatures", "odin_epsilons")
 

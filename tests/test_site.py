@@ -2,10 +2,12 @@
 
 Built from the notebooks tests/test_notebooks.py executed (build/executed/; a missing one is
 executed first), served on 127.0.0.1 from build/site/ and opened page by page, as a reader
-without an install would: every page answers 200 and raises no script error; every image on it
-decodes; every link into the site reaches a built file, and a ``#fragment`` an element on that
+without an install would: every page answers 200 and raises no script error, and no request for
+one of the site's own files fails or answers 400 or more (outside scripts, e.g. MathJax's CDN, are
+not this test's to reach offline); every image on it decodes; every link into the site reaches a built file, and a ``#fragment`` an element on that
 page; each notebook page shows as many pictures as its executed notebook has PNG/SVG outputs
-(figures, torchviz graphs) and its "Predict before you run" exercises as ``<details>``.
+(figures, torchviz graphs) among its cell outputs, and its "Predict before you run" exercises as
+``<details>`` whose summary starts "Answer".
 Needs what tests/test_browser.py needs (Chromium, Playwright) plus Sphinx and myst-nb (the ``dev``
 extra); skipped, saying why, without the browser.
 """
@@ -16,7 +18,7 @@ import http.server
 import sys
 import threading
 from pathlib import Path
-from urllib.parse import urldefrag, urlparse
+from urllib.parse import unquote, urldefrag, urlparse
 
 import nbformat
 import pytest
@@ -33,11 +35,12 @@ PICTURES = {"image/png", "image/svg+xml", "image/jpeg"}
 
 # What one page shows: status, script errors, images (decoded width), links, ids, exercises.
 _READ_JS = r"""() => ({
-  images: [...document.querySelectorAll('article img, .bd-article img')].map(i => ({src: i.src, w: i.naturalWidth})),
+  images: [...document.querySelectorAll('.cell_output img')].map(i => ({src: i.src, w: i.naturalWidth})),
   allImages: [...document.images].map(i => ({src: i.src, w: i.naturalWidth})),
   links: [...document.querySelectorAll('a[href]')].map(a => a.href),
   ids: [...document.querySelectorAll('[id]')].map(e => e.id),
-  details: [...document.querySelectorAll('article details, .bd-article details')].length,
+  details: [...document.querySelectorAll('details')].filter(d => {
+    const s = d.querySelector('summary'); return s && s.innerText.trim().startsWith('Answer'); }).length,
   text: (document.querySelector('article, .bd-article') || document.body).innerText,
 })"""
 
@@ -71,10 +74,17 @@ def pages(site):
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page()
-        errors: list[str] = []
+        errors: list[str] = []  # script errors, and requests for the site's own files that fail
+        own = lambda url: url.startswith(base) and not url.endswith("/favicon.ico")  # the browser's own guess
         page.on("pageerror", lambda e: errors.append(str(e)))
+        page.on("console", lambda m: errors.append(f"console: {m.text}")
+                if m.type == "error" and own(m.location.get("url", "")) else None)
+        page.on("requestfailed", lambda r: errors.append(f"failed: {r.url}") if own(r.url) else None)
+        page.on("response", lambda r: errors.append(f"{r.status}: {r.url}") if own(r.url) and r.status >= 400 else None)
         for html in sorted(out.rglob("*.html")):
             rel = html.relative_to(out).as_posix()
+            if rel.startswith(("_static/", "_sources/")):
+                continue  # the theme's templates and the page sources, not pages of the site
             errors.clear()
             response = page.goto(base + rel, wait_until="load")
             shown[rel] = {"status": response.status, "errors": list(errors), **page.evaluate(_READ_JS)}
@@ -116,7 +126,7 @@ def test_every_link_into_the_site_reaches_a_page_and_its_anchor(site, pages):
                 target += "index.html"
             if not (out / target).is_file():
                 broken.append(f"{rel}: {href} (no file {target})")
-            elif fragment and target in pages and fragment not in pages[target]["ids"]:
+            elif fragment and target in pages and unquote(fragment) not in pages[target]["ids"]:
                 broken.append(f"{rel}: {href} (no element #{fragment} on {target})")
     assert not broken, "\n".join(broken[:20])
 
