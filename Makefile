@@ -37,10 +37,11 @@ system-deps:
 		echo "      Without them: no rendered graphs, and Fashion-MNIST is looked for in \$$MCD_DATA_DIR or downloaded."; \
 	fi
 
+# DEMO_FLAGS=--resume continues an interrupted demo, DEMO_FLAGS=--fresh starts it over.
 # Prints the seconds of each part: install, reproduction (its stages are in runs/demo/run.json), notebooks.
 demo: system-deps
 	@t0=$$(date +%s); $(MAKE) --no-print-directory $(VENV)/.core && t1=$$(date +%s) && \
-	$(PY) -m mcd_helpers reproduce --preset quick --out runs/demo && t2=$$(date +%s) && \
+	$(PY) -m mcd_helpers reproduce --preset quick --out runs/demo $(DEMO_FLAGS) && t2=$$(date +%s) && \
 	$(MAKE) --no-print-directory notebooks NOTEBOOKS="$(DEMO_NOTEBOOKS)" && t3=$$(date +%s) && \
 	echo && echo "Results: runs/demo/results.md (table above), plots in runs/demo/; executed notebooks in build/notebooks/" && \
 	echo "make demo: install $$((t1 - t0)) s, reproduction $$((t2 - t1)) s, notebooks $$((t3 - t2)) s, in all $$((t3 - t0)) s"

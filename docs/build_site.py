@@ -49,7 +49,7 @@ CHANGELOG
 ```
 """
 
-NOTE = ("> This page is the notebook as `make test` executed it, headless in quick mode (`MCD_QUICK=1`), "
+NOTE = ("> This page is the notebook executed headless in quick mode (`MCD_QUICK=1`), as `make test` runs it, "
         "so its numbers are quick mode's. Widgets show their last state; to move them, run the notebook "
         "yourself: `make lab` opens it in JupyterLab (full mode). The page reads offline except its "
         "maths (MathJax) and widgets, whose scripts come from a CDN and need a network.")
