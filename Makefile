@@ -37,7 +37,8 @@ system-deps:
 		echo "      Without them: no rendered graphs, and Fashion-MNIST is looked for in \$$MCD_DATA_DIR or downloaded."; \
 	fi
 
-# DEMO_FLAGS=--resume continues an interrupted demo, DEMO_FLAGS=--fresh starts it over.
+# DEMO_FLAGS=--resume continues an interrupted demo, DEMO_FLAGS=--fresh starts it over. (make -n demo
+# runs it all the same: its one recipe line calls $(MAKE), which -n executes.)
 # Prints the seconds of each part: install, reproduction (its stages are in runs/demo/run.json), notebooks.
 demo: system-deps
 	@t0=$$(date +%s); $(MAKE) --no-print-directory $(VENV)/.core && t1=$$(date +%s) && \

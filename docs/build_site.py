@@ -57,7 +57,7 @@ NOTE = ("> This page is the notebook executed headless in quick mode (`MCD_QUICK
 
 def execute(notebook: Path, out_dir: Path | None = None, timeout: int = 900, quick: bool = True) -> float:
     """Run ``notebook`` top to bottom in quick mode (``quick=False``: full mode, what ``make lab``
-    runs), write the executed copy to ``out_dir`` (None: ``EXECUTED`` as it is at the call);
+    runs), write the executed copy to ``out_dir`` (None: ``EXECUTED`` as it is when the copy is written);
     ``timeout`` is seconds per cell.
 
     Returns the wall time in seconds. Raises ``nbclient.exceptions.CellExecutionError`` (the

@@ -87,6 +87,7 @@ def pages(site):
                 continue  # the theme's templates and the page sources, not pages of the site
             errors.clear()
             response = page.goto(base + rel, wait_until="load")
+            page.wait_for_load_state("networkidle")  # requests and errors after "load" count for this page
             shown[rel] = {"status": response.status, "errors": list(errors), **page.evaluate(_READ_JS)}
         browser.close()
     return shown
