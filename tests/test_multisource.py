@@ -195,3 +195,23 @@ def test_fixmatch_and_mixmatch_interleave_agree_on_shares_for_two_sources_only(k
     # ... batch i keeps its own rows except group i, which it gave to batch 0: no other source reaches it
     assert all(mix[i] == [n // k if s == 0 else (n - n // k if s == i else 0) for s in range(k)] for i in range(1, k))
     assert (fix == mix) == (k == 2)
+
+
+def test_one_forward_of_an_interleaved_batch_gives_the_same_gradients_after_de_interleaving():
+    # notebook 08's answer: with one forward (no chunks), interleaving changes nothing beyond rounding,
+    # even under train-mode BatchNorm; per-chunk forwards of the same rows do change them
+    torch.manual_seed(0)
+    size, net = 15, source_net("batch").double()
+    x = torch.randn(size * 4, 8, dtype=torch.float64)
+    weights = torch.arange(len(x), dtype=torch.float64)  # a loss that depends on the row order
+
+    def grads(forward):
+        net.zero_grad()
+        (forward(x)[:, 0] * weights).mean().backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    plain = grads(net)
+    mixed = grads(lambda x: de_interleave(net(interleave(x, size)), size))
+    chunked = grads(lambda x: de_interleave(torch.cat([net(c) for c in interleave(x, size).chunk(size)]), size))
+    assert torch.allclose(plain, mixed, rtol=0, atol=1e-12)
+    assert (plain - chunked).abs().max() > 1e-6

@@ -49,11 +49,14 @@ def test_committed_without_outputs(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_each_notebook_has_two_exercises_whose_answers_are_executed(path):
     # "Predict before you run": the answer hidden in <details>, and the next code cell asserts it
+    # (every exercise, not only two of them)
     cells = nbformat.read(path, as_version=4).cells
-    answered = [i for i, c in enumerate(cells[:-1]) if c.cell_type == "markdown"
-                and c.source.startswith("**Predict before you run.**") and "<details>" in c.source
-                and cells[i + 1].cell_type == "code" and "assert" in cells[i + 1].source]
-    assert len(answered) >= 2, f"{path.name}: {len(answered)} exercises with an executed answer"
+    exercises = [i for i, c in enumerate(cells) if c.cell_type == "markdown"
+                 and c.source.startswith("**Predict before you run.**")]
+    unanswered = [i for i in exercises if "<details>" not in cells[i].source
+                  or "<summary>Answer" not in cells[i].source or i + 1 == len(cells)
+                  or cells[i + 1].cell_type != "code" or "assert" not in cells[i + 1].source]
+    assert len(exercises) >= 2 and not unanswered, f"{path.name}: {len(exercises)} exercises, cells {unanswered} unanswered"
 
 
 @pytest.mark.notebook
