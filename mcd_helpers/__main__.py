@@ -71,14 +71,13 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     pre.add_argument("--preset", default="quick")
     name = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].preset
     name = name if name in PRESETS else "quick"  # an unknown name is refused when the command runs
-    shown = PRESETS[name]
     # each field's help: its comment in MCDConfig's source; None (argparse's default): not given
     comments = dict(re.findall(r"^\s+(\w+): .*?#\s*(.+)$", inspect.getsource(MCDConfig), re.M))
     for f, hint in typing.get_type_hints(MCDConfig).items():
         text = f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")
         kind = (dict(action=argparse.BooleanOptionalAction) if hint is bool else
                 dict(type=_csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint))
-        value = ",".join(map(str, v)) if isinstance(v := getattr(shown, f), tuple) else v
+        value = ",".join(map(str, v)) if isinstance(v := getattr(PRESETS[name], f), tuple) else v
         rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=f"{text} ({name}: {value})".replace("%", "%%"), **kind)
     return parser
 

@@ -18,7 +18,6 @@ Example: ``python -m mcd_helpers benchmark --preset near-ood-quick --out runs/ne
 """
 
 import dataclasses
-import io
 import json
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from tqdm.auto import tqdm
 from .config import HELD_OUT, SELECTIONS, MCDConfig
 from .data import OFFLINE_OOD_SETS
 from .errors import ConfigError
-from .files import atomic_write, write_json
+from .files import write_buffered, write_json
 from .forwards import STRATEGIES
 from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
 from .report import write_report
@@ -156,9 +155,7 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
                           methods, retrained, progress, None, None, out / "checkpoints" / stem, resume)
         for r, (s_id, s_ood) in zip(res.rows, res.row_scores):
             rel = "scores/" + "_".join(filter(None, (stem, r["selection"], r["method"], r["strategy"]))) + ".npz"
-            buf = io.BytesIO()
-            np.savez(buf, id=s_id.numpy(), ood=s_ood.numpy())  # the dtype the metrics saw: exact
-            atomic_write(out / rel, buf.getvalue())
+            write_buffered(out / rel, lambda f: np.savez(f, id=s_id.numpy(), ood=s_ood.numpy()))  # the metrics' dtype
             # the pipeline's row (settings, metrics, ODIN's T and epsilon, MCD's selected epoch) and the cell's
             rows.append({"task": cell.task, **r, "norm": norm, "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood)})
     return rows
@@ -184,8 +181,7 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
         p = dataclasses.replace(p, config=dataclasses.replace(p.config, device=device))
     if bad := [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]:
         raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
-    out, t0 = Path(out_dir), time.time()
-    log = (lambda msg: None) if quiet else tqdm.write
+    out, t0, log = Path(out_dir), time.time(), (lambda msg: None) if quiet else tqdm.write
     settings = {"preset": preset, **{k: v for k, v in dataclasses.asdict(p).items() if k != "config"},
                 "config": p.config.to_dict()}
     grid = [p.strategies, p.reference, p.far_strategies, p.selections,  # in a cell's key, with its config
@@ -205,8 +201,7 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             if saved and resume:
                 raise ConfigError("resume", f"{path} was written with other settings than this run's (preset, grid or "
                                             "sizes). Resume with the interrupted run's settings, or pass --fresh.")
-            c0 = time.time()
-            cell_rows = _run_cell(p, cell, data, out, retrained, progress, resume)
+            c0, cell_rows = time.time(), _run_cell(p, cell, data, out, retrained, progress, resume)
             write_json(path, {"key": key, "seconds": round(time.time() - c0, 1), "rows": cell_rows})
             log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
             rows += cell_rows

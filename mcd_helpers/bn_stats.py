@@ -173,7 +173,6 @@ def run_bn_steps(bn: nn.Module, h_sup: torch.Tensor, h_unsup: torch.Tensor, stra
         raise ValueError(f"bn has {bn.num_features} channels of {bn.running_mean.dtype} but the inputs have "
                          f"{h_sup.shape[1]} of {h_sup.dtype}: match them (bn.double(), or h.float()).")
     with torch.no_grad():
-        for _ in range(steps):
-            for h in _forwards(h_sup, h_unsup, strategy, schedule):
-                bn(h)
+        for h in _forwards(h_sup, h_unsup, strategy, schedule) * steps:  # one iteration's forwards, steps times
+            bn(h)
     return bn

@@ -12,7 +12,6 @@ another order differs). :func:`compare_strategies` is the MCD Step B case.
 
 import copy
 import itertools
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
@@ -28,9 +27,8 @@ TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.float16: 1e-2, tor
 
 
 def _max(values) -> float:
-    """max of floats, NaN when any is NaN (``max`` would skip a NaN that is not first); 0.0 when empty."""
-    values = list(values)
-    return math.nan if any(math.isnan(v) for v in values) else max(values, default=0.0)
+    """max of floats >= 0, NaN when any is NaN (``max`` would skip a NaN that is not first); 0.0 when empty."""
+    return float(torch.tensor([0.0, *values], dtype=torch.float64).max())
 
 
 def _diff(a: torch.Tensor | None, b: torch.Tensor | None) -> float:

@@ -190,8 +190,8 @@ PRESETS: dict[str, MCDConfig] = {
        for id_set in ("cifar10", "cifar100") for net, model in (("densenet", "densenet_bc_100"), ("wrn", "wrn_28_10"))},
     "unofficial-cifar10-densenet": MCDConfig(id_dataset="cifar10", model="densenet_bc_100", **{**_PAPER, **_STEP_B}),
 }
-"""Named presets of ``reproduce --preset NAME``; every field can still be overridden by its flag.
-Not reproduced (no field): the unofficial pre-training's flips and padded crops."""
+# Named presets of ``reproduce --preset NAME``; every field can still be overridden by its flag.
+# Not reproduced (no field): the unofficial pre-training's flips and padded crops.
 
 
 def get_preset(name: str, **overrides) -> MCDConfig:

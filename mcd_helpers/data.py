@@ -77,9 +77,8 @@ def cache_dir() -> Path:
     """Where downloads and cached stages go: :func:`data_dir` when writable, else ``$MCD_CACHE_DIR`` or the
     user cache. Raises ``PermissionError`` naming both when neither can be written."""
     fallback = Path(os.environ.get("MCD_CACHE_DIR") or _user_cache()).expanduser()
-    for folder in dict.fromkeys([data_dir(), fallback]):
-        if writable(folder):
-            return folder
+    if found := next((folder for folder in dict.fromkeys([data_dir(), fallback]) if writable(folder)), None):
+        return found
     raise PermissionError(f"neither the data folder {data_dir()} nor the cache folder {fallback} can be written; "
                           "set MCD_CACHE_DIR to a writable folder.")
 
@@ -109,8 +108,7 @@ def read_idx(path: Path, fix: str = "") -> torch.Tensor:
                                 f"{data[:4].hex() or 'missing'}, not 00000803 (images) or 00000801 (labels). {fix}")
     head = 4 + 4 * data[3]
     dims = tuple(np.frombuffer(data[4:head], ">u4").tolist()) if len(data) >= head else None
-    want = head + int(np.prod(dims)) if dims is not None else head
-    if len(data) != want:
+    if len(data) != (want := head + int(np.prod(dims)) if dims is not None else head):
         raise DataNotFoundError(f"{path} is {'cut short' if len(data) < want else 'longer than its header says'}: "
                                 f"{len(data)} bytes, its header's shape {dims} needs {want}. {fix}")
     return torch.frombuffer(bytearray(data[head:]), dtype=torch.uint8).view(*dims)

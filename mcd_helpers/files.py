@@ -47,11 +47,16 @@ def write_json(path: Path, obj) -> None:
     atomic_write(path, json.dumps(obj, indent=1, allow_nan=False) + "\n")
 
 
+def write_buffered(path: Path, write) -> None:
+    """``write(file)`` into memory (``torch.save``, ``np.savez``, ``fig.savefig``), then to ``path`` atomically."""
+    buffer = io.BytesIO()
+    write(buffer)
+    atomic_write(path, buffer.getvalue())
+
+
 def save_state(path: Path, state: dict) -> None:
     """``torch.save(state)`` to ``path`` atomically; ``state`` holds tensors and plain containers only."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    atomic_write(path, buffer.getvalue())
+    write_buffered(path, lambda f: torch.save(state, f))
 
 
 def load_state(path: Path) -> dict:

@@ -38,8 +38,7 @@ def graph_nodes(loss) -> list:
                          "torch.no_grad(), from inputs that do not require grad, or it was detached.")
     order, queue = {}, [t.grad_fn for t in losses]  # order: an insertion-ordered set
     while queue:
-        fn = queue.pop(0)
-        if fn is not None and fn not in order:
+        if (fn := queue.pop(0)) is not None and fn not in order:
             order[fn] = None
             queue.extend(nxt for nxt, _ in fn.next_functions)
     return list(order)

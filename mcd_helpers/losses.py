@@ -48,8 +48,7 @@ def supervised_loss(logits1: torch.Tensor, logits2: torch.Tensor, targets: torch
         raise ValueError(f"targets must be a tensor of integer class labels, got {getattr(targets, 'dtype', targets)}.")
     if targets.shape != (n,):
         raise ValueError(f"targets must have shape ({n},) to match the logits, got {tuple(targets.shape)}.")
-    bad = targets[(targets < 0) | (targets >= k)]
-    if len(bad):
+    if len(bad := targets[(targets < 0) | (targets >= k)]):
         raise ValueError(f"labels must lie in [0, {k}) ({k} classes), got {bad[:5].tolist()}: keep OOD samples out.")
     return F.cross_entropy(logits1, targets.long()) + F.cross_entropy(logits2, targets.long())  # int64 class indices
 

@@ -40,8 +40,7 @@ def as_scores(scores, name: str = "scores") -> np.ndarray:
         raise ValueError(f"{name} must be a 1-D sequence of per-sample scores, got shape {arr.shape}: flatten it.")
     if arr.size == 0:
         raise ValueError(f"{name} is empty: OOD metrics need at least one ID and one OOD score; check the data.")
-    bad = ~np.isfinite(arr)
-    if bad.any():
+    if (bad := ~np.isfinite(arr)).any():
         raise ValueError(f"{name} holds {int(bad.sum())} non-finite value(s) (NaN or inf), first at "
                          f"index {int(np.argmax(bad))}: a diverged model or a division by zero upstream.")
     return arr

@@ -137,8 +137,7 @@ class _WideBasic(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.relu(self.bn1(x))
-        skip = x if self.shortcut is None else self.shortcut(out)
-        return self.conv2(torch.relu(self.bn2(self.conv1(out)))) + skip
+        return self.conv2(torch.relu(self.bn2(self.conv1(out)))) + (x if self.shortcut is None else self.shortcut(out))
 
 
 def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:

@@ -145,7 +145,6 @@ def train_sources(layout: str = "separate", norm: str = "batch", steps: int = 20
         losses.append(float(loss.detach()))
     if norm == "recalibrate":
         recalibrate_bn(model, train[0][0], batch_size=batch)
-    with torch.no_grad():
-        eval_acc = _accuracies(model.eval(), test)
-        train_acc = _accuracies(_train_mode(copy.deepcopy(model), norm), test)  # train-mode statistics of a pure batch
-    return SourcesResult(layout, norm, eval_acc, train_acc, losses)
+    with torch.no_grad():  # train_acc: with the train-mode statistics of a pure batch
+        return SourcesResult(layout, norm, _accuracies(model.eval(), test),
+                             _accuracies(_train_mode(copy.deepcopy(model), norm), test), losses)

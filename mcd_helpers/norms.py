@@ -72,17 +72,15 @@ class PerSourceBatchNorm(nn.Module):
 
 
 def per_source_batchnorm(model: nn.Module, num_sources: int = 2) -> nn.Module:
-    """A deep copy of ``model`` with every ``BatchNorm{1,2,3}d`` replaced by :class:`PerSourceBatchNorm`.
+    """A deep copy of ``model`` with every ``BatchNorm{1,2,3}d`` replaced by :class:`PerSourceBatchNorm` (a
+    bare BatchNorm layer: :meth:`PerSourceBatchNorm.from_batchnorm`).
 
     Raises:
         ValueError: if the model has no BatchNorm layer.
     """
-    if isinstance(model, _BN):  # a bare BatchNorm layer
-        return PerSourceBatchNorm.from_batchnorm(model, num_sources)
     model = copy.deepcopy(model)
-    found = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-             if isinstance(child, _BN)]
-    if not found:
+    if not (found := [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+                      if isinstance(child, _BN)]):
         raise ValueError("the model has no BatchNorm layer to give per-source statistics.")
     for parent, name, child in found:
         setattr(parent, name, PerSourceBatchNorm.from_batchnorm(child, num_sources))
@@ -132,9 +130,8 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     Raises:
         ValueError: no BatchNorm layer with running statistics, fewer than 2 samples, ``batch_size < 2``.
     """
-    layers = [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))
-              and getattr(m, "running_mean", None) is not None]
-    if not layers:
+    if not (layers := [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))
+                       and getattr(m, "running_mean", None) is not None]):
         raise ValueError("recalibrate_bn: the model has no BatchNorm layer with running statistics.")
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) < 2:
         raise ValueError("recalibrate_bn needs a batch tensor x (N, ...) with N >= 2 samples.")
@@ -168,8 +165,7 @@ def freeze_bn(model: nn.Module) -> nn.Module:
     Frozen layers normalise with their running statistics and never update them, so concat
     equals separate; their weight and bias still learn. Raises ``ValueError`` without BatchNorm.
     """
-    layers = [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))]
-    if not layers:
+    if not (layers := [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))]):
         raise ValueError("freeze_bn: the model has no BatchNorm layer.")
     for m in layers:
         m.eval()

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .data import ODIN_ARCHIVES
-from .report import markdown_table
+from .report import NAMES, markdown_table
 
 PAPER_SOURCE = ("Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, CIFAR-10 as ID "
                 "(not verified offline)")
@@ -26,7 +26,6 @@ UNOFFICIAL_SOURCE = ("the unofficial reproduction, github.com/Mephisto405/Unsupe
 OPENOOD_SOURCE = ("OpenOOD v1.5 leaderboard results files (2025): ResNet-18, outlier data disjoint from the test sets, "
                   "AUROC in % on its near-OOD and far-OOD groups")
 PAPER_METRICS = ("fpr95", "detection_error", "auroc")
-PAPER_OOD_SETS = ("TINc", "TINr", "LSUNc", "LSUNr", "iSUN")
 _NAN = float("nan")
 _TABLE = {  # OOD -> metric -> (ODIN, ELOC, MCD), %; "-" in the paper (ELOC on iSUN) is NaN
     "TINc": {"fpr95": (3.6, 1.5, 0.1), "detection_error": (4.2, 3.0, 0.7), "auroc": (99.2, 99.6, 99.9)},
@@ -37,7 +36,7 @@ _TABLE = {  # OOD -> metric -> (ODIN, ELOC, MCD), %; "-" in the paper (ELOC on i
 }
 PAPER_ROWS = [{"source": "paper", "id_dataset": "cifar10", "model": "densenet_bc_100", "ood": ood, "method": method,
                **{k: _TABLE[ood][k][i] for k in PAPER_METRICS}}
-              for ood in PAPER_OOD_SETS for i, method in enumerate(("odin", "eloc", "mcd"))]
+              for ood in _TABLE for i, method in enumerate(("odin", "eloc", "mcd"))]
 UNOFFICIAL_ROWS = [{"source": "unofficial reproduction", "id_dataset": "cifar10", "model": "densenet", "ood": "TINr",
                     "method": "mcd", "auroc": 99.83, "auroc_std": 0.03, "runs": 3}]
 OPENOOD_ROWS = [{"id_dataset": id_set, "method": method, "near_auroc": near, "far_auroc": far}  # oe: outlier exposure
@@ -47,7 +46,6 @@ OPENOOD_ROWS = [{"id_dataset": id_set, "method": method, "near_auroc": near, "fa
 OPENOOD_ROWS[0]["id_accuracy"] = 94.95  # the CIFAR-10 MCD row also gives the ID accuracy (%)
 CIFAR_OOD_NAMES = {paper: ours for ours, (_, _, paper) in ODIN_ARCHIVES.items()}  # TINc -> Imagenet, ...
 FMNIST_ANALOGS = {"TINc": "photo_crops", "LSUNc": "photo_crops"}  # crops of natural photos: the only offline analog
-_LABELS = {"fpr95": "FPR95", "detection_error": "det. error", "auroc": "AUROC"}
 
 
 def beside_paper(ours: Sequence[dict], id_dataset: str = "cifar10", ood_names: Mapping[str, str] | None = None,
@@ -83,7 +81,7 @@ def beside_paper_markdown(comparison: Sequence[dict], ours_label: str = "ours", 
     """A line per row of :func:`beside_paper` (paper OOD set, method, metric): the paper's number, ours and
     the gap (%); ``paired_only`` leaves out the lines where we have no number (a note names their OOD sets)."""
     shown = [c for c in comparison if not paired_only or np.isfinite(c["ours"])]
-    rows = [[c["ood"], c["ours_ood"] or "–", c["method"].upper(), _LABELS[c["metric"]], _fmt(c["paper"]), _fmt(c["ours"]),
+    rows = [[c["ood"], c["ours_ood"] or "–", c["method"].upper(), NAMES[c["metric"]], _fmt(c["paper"]), _fmt(c["ours"]),
              _fmt(c["gap"], "+.2f")] for c in shown]
     note = ("\n\nAll numbers in %; gap = ours − paper in percentage points (AUROC: higher is better; FPR95 and "
             f"detection error: lower is better). Paper: {PAPER_SOURCE}.")

@@ -119,8 +119,7 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     Raises:
         ValueError: no entry for ``metric`` (the available ones named).
     """
-    entries = [d for d in paired if d["metric"] == metric]
-    if not entries:
+    if not (entries := [d for d in paired if d["metric"] == metric]):
         raise ValueError(f"no paired differences for metric {metric!r}; available: {sorted({d['metric'] for d in paired})}.")
     shown = _varying(entries, [k for k in entries[0] if k not in _PAIR_FIELDS])
     pairs = list(dict.fromkeys((d["a"], d["b"]) for d in entries))
@@ -141,8 +140,7 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
 def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):
     """``metric`` (%) by protocol, mean and 95% CI: a panel per (task, class split, selection), a series per
     method and strategy. Raises ``ValueError`` when no entry holds ``metric`` and a protocol."""
-    entries = [g for g in summary if isinstance(g.get(metric), dict) and "protocol" in g]
-    if not entries:
+    if not (entries := [g for g in summary if isinstance(g.get(metric), dict) and "protocol" in g]):
         raise ValueError(f"no summary entry holds metric {metric!r} and a protocol; pass summarize(...) output.")
     panel_keys = [k for k in ("task", "class_split", "selection") if k in entries[0]]
     series_keys = _varying(entries, [k for k in ("method", "strategy") if k in entries[0]] or ["protocol"])
@@ -154,9 +152,8 @@ def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):
     fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 3.6 * nrows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         for j, s in enumerate(series):
-            pts = [(protocols.index(g["protocol"]), g[metric]) for g in entries
-                   if tuple(g[k] for k in panel_keys) == panel and tuple(g[k] for k in series_keys) == s]
-            if pts:
+            if pts := [(protocols.index(g["protocol"]), g[metric]) for g in entries
+                       if tuple(g[k] for k in panel_keys) == panel and tuple(g[k] for k in series_keys) == s]:
                 ax.errorbar([p + (j - (len(series) - 1) / 2) * width for p, _ in pts], [100 * c["mean"] for _, c in pts],
                             yerr=[100 * c["half_width"] for _, c in pts], fmt="o", capsize=3, label=" / ".join(map(str, s)))
         ax.set_xticks(range(len(protocols)), protocols)

@@ -7,12 +7,11 @@
   alone: ``write_report(json.load(f), folder)`` rebuilds it.
 """
 
-import io
 import math
 from pathlib import Path
 from typing import Sequence
 
-from .files import atomic_write
+from .files import atomic_write, write_buffered
 from .metrics import METRIC_KEYS
 from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
 from .stats import GROUP_KEYS, paired_differences, summarize
@@ -142,10 +141,8 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
     import matplotlib.pyplot as plt
 
     def save(name: str, fig) -> None:
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100)
+        write_buffered(Path(folder) / name, lambda f: fig.savefig(f, format="png", dpi=100))
         plt.close(fig)
-        atomic_write(Path(folder) / name, buf.getvalue())
 
     atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds))
     summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows

@@ -68,8 +68,7 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         # what an unfinished run left: stage checkpoints always, finished benchmark cells unless the run finished
         left = sorted(out.glob("checkpoints/**/*.pt"))
         left += [] if _read_run(out).get("status") == "finished" else sorted(out.glob("cells/*.json"))
-        if left and not resume and not fresh:
-            lock.release()
+        if left and not resume and not fresh:  # (the lock is released below, as on any failure of prepare)
             shown = ", ".join(str(p.relative_to(out)) for p in left[:4]) + (" ..." if len(left) > 4 else "")
             raise ConfigError("resume", f"{out} holds unfinished work ({shown}); nothing was deleted. Pass --resume "
                                         "to continue it (same settings), --fresh to delete it, or another --out.")
@@ -148,9 +147,9 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
         torch.set_num_threads(cfg.num_threads)
     cfg = dataclasses.replace(cfg, device=ddp.setup(cfg.device))
     out, quiet = Path(out_dir), quiet or not ddp.is_main()
-    log = None if quiet else (lambda msg: print(msg, flush=True))
+    log = (lambda msg: None) if quiet else (lambda msg: print(msg, flush=True))
     with output_folder(out, {"config": cfg.to_dict()}, resume, fresh, quiet) as info:
-        if log and cache_dir() != data_dir():
+        if not quiet and cache_dir() != data_dir():
             log(f"note: {data_dir()} is read-only: data is read from it, downloads and caches go to {cache_dir()}.")
         profile, started = {}, time.perf_counter()  # wall-clock seconds of each stage, into run.json
         with timed(profile, "data"):
@@ -166,13 +165,11 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                 if isinstance(err, (ConfigError, FloatingPointError, TrainingInterrupted, CheckpointError)) or ddp.world()[1] > 1:
                     raise  # the run cannot go on (resume, or fix the setting), or the ranks may be out of step
                 failures[ood] = f"{type(err).__name__}: {err}"
-                if log:
-                    log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
+                log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
                 continue
-            if log:
-                log("\n".join(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}%"
-                              f" | FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%"
-                              for r in res.rows))
+            log("\n".join(f"{ood:>12} | {r['method']:>6} {r['strategy'] or '':>11} | AUROC {100 * r['auroc']:6.2f}%"
+                          f" | FPR95 {100 * r['fpr95']:5.2f}% | ID acc. {100 * r['id_accuracy']:.2f}%"
+                          for r in res.rows))
             profile[ood] = res.seconds
             with timed(profile, "figures"):
                 if ddp.is_main():
@@ -187,8 +184,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                 atomic_write(out / name, text)
         profile["total"] = round(time.perf_counter() - started, 2)
         info.update(status="partial" if failures else "finished", failures=failures, seconds=profile)
-        if log:
-            log(f"seconds of each stage (also in run.json): {json.dumps(profile)}")
+        log(f"seconds of each stage (also in run.json): {json.dumps(profile)}")
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(cfg.ood_sets)} OOD sets failed: "
                            + "; ".join(f"{k}: {v}" for k, v in failures.items())

@@ -27,8 +27,7 @@ CLASS_SPLITS = {
     "a": ((0, 1, 2, 3, 4, 5), (6, 7, 8, 9)),  # Shirt held out beside its look-alikes T-shirt, Pullover, Coat
     "b": ((0, 2, 3, 5, 7, 9), (1, 4, 6, 8)),  # Coat and Shirt held out beside T-shirt and Pullover
     "c": ((1, 3, 4, 6, 8, 9), (0, 2, 5, 7)),  # footwear: Ankle boot known, Sandal and Sneaker not
-}
-"""Fashion-MNIST class splits, ``name -> (id_classes, ood_classes)``, 6 known / 4 held out."""
+}  # Fashion-MNIST class splits, ``name -> (id_classes, ood_classes)``, 6 known / 4 held out
 PROTOCOLS = ("transductive", "disjoint", "unseen-ood")
 
 

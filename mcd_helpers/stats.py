@@ -30,8 +30,7 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95, where: str = "") 
     x = np.asarray(values, dtype=np.float64).ravel()
     if x.size < 2:
         raise ValueError(f"{at}a confidence interval needs at least 2 values (seeds), got {x.size}; run more seeds.")
-    bad = np.flatnonzero(~np.isfinite(x))
-    if bad.size:
+    if (bad := np.flatnonzero(~np.isfinite(x))).size:
         raise ValueError(f"{at}values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a failed run upstream.")
     m, half = float(x.mean()), float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
     return {"mean": m, "low": m - half, "high": m + half, "half_width": half, "n": int(x.size)}

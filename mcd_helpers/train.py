@@ -203,8 +203,7 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
         if not pending:
             return
         rows = torch.stack([r for _, _, r in pending]).float().cpu()  # (steps, parts)
-        bad = (~torch.isfinite(rows)).any(dim=1)
-        if bad.any():
+        if (bad := (~torch.isfinite(rows)).any(dim=1)).any():
             i = int(bad.nonzero()[0])
             parts = ", ".join(f"{n}={v:.4g}" for n, v in zip(names, rows[i].tolist()))
             kept = f" The last good checkpoint is kept in {checkpoint}." if checkpoint and Path(checkpoint).exists() else ""
