@@ -53,11 +53,14 @@ def odin_scores(model: nn.Module, x: torch.Tensor, temperature: float, epsilons:
 
 
 def tune_odin(model: nn.Module, val_id_x: torch.Tensor, val_ood_x: torch.Tensor, temperatures: Sequence[float],
-              epsilons: Sequence[float], pixel_std=1.0, batch_size: int = 500, device="cpu") -> tuple[float, float, dict]:
+              epsilons: Sequence[float], pixel_std=1.0, batch_size: int = 500, device="cpu",
+              score=odin_scores) -> tuple[float, float, dict]:
     """ODIN's ``(T, epsilon)`` with the best AUROC on the validation split MCD's model selection uses
-    (ties: the first pair in grid order). Returns ``(T, epsilon, {(T, epsilon): AUROC})``."""
+    (ties: the first pair in grid order). ``score``: :func:`odin_scores` or a function of its signature (the
+    pipeline's keeps the ID side's scores). Returns ``(T, epsilon, {(T, epsilon): AUROC})``."""
     grid = {}
     for t in temperatures:  # one input gradient per temperature, shared by every epsilon
-        s_id, s_ood = (odin_scores(model, v, t, epsilons, pixel_std, batch_size, device) for v in (val_id_x, val_ood_x))
+        s_id, s_ood = (score(model, v, t, epsilons, pixel_std=pixel_std, batch_size=batch_size, device=device)
+                       for v in (val_id_x, val_ood_x))
         grid.update({(t, eps): ood_metrics(a, b)["auroc"] for eps, a, b in zip(epsilons, s_id, s_ood)})
     return (*max(grid, key=grid.get), grid)  # max returns the first maximal key

@@ -86,7 +86,7 @@ class Batches:
         return self.batch(*divmod(k, self.per_pass))
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def predict_logits(model: nn.Module, x: torch.Tensor, batch_size: int = 1000, device="cpu") -> tuple:
     """Both heads' logits in eval mode (the mode is restored): ``(N, C, H, W)`` -> two ``(N, K)`` CPU tensors."""
     was_training = model.training

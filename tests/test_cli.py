@@ -37,7 +37,7 @@ def test_flags_override_the_preset_parse_their_types_and_switch():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--amp", "fp16"], "--amp: amp must be one of none, bf16, got 'fp16'"),
+    (["--amp", "fp16"], "--amp: amp must be one of none, bf16, auto, got 'fp16'"),
     (["--checkpoint-every", "-1"], "--checkpoint-every: checkpoint_every must be a finite number >= 0"),
     (["--margin", "inf"], "--margin: margin must be a finite number >= 0.0"),
     (["--finetune-lr", "-0.1"], "--finetune-lr: finetune_lr must be a number > 0"),

@@ -2,10 +2,11 @@
 import dataclasses
 import pickle
 import signal
+from pathlib import Path
 
 import pytest
 
-from mcd_helpers.config import PRESETS, PRETRAIN_FIELDS, MCDConfig, get_preset
+from mcd_helpers.config import PRESETS, PRETRAIN_FIELDS, MCDConfig, get_preset, native_bf16
 from mcd_helpers.data import DataNotFoundError
 from mcd_helpers.errors import ConfigError, TrainingInterrupted, exit_code
 
@@ -30,9 +31,22 @@ def test_the_defaults_are_valid_and_tuple_fields_become_tuples():
     ("id_dataset", "svhn", "fashion_mnist, cifar10, cifar100"), ("model", "resnet18", "small_cnn, densenet_bc_100, wrn_28_10"),
     ("norm", "layer", "batch, group, none"), ("schedule", "step_a", "official, step_b"),
     ("protocol", "inductive", "transductive, disjoint, unseen-ood"), ("selection", "best", "ood-labels, last-epoch"),
-    ("amp", "fp16", "none, bf16")])
+    ("amp", "fp16", "none, bf16, auto")])
 def test_a_choice_outside_its_list(field, value, valid):
     refused(field, f"{field} must be one of {valid}, got '{value}'", **{field: value})
+
+
+def test_amp_auto_is_bf16_where_the_cpu_has_native_bf16_and_resolved_before_anything_keeps_it(monkeypatch):
+    flags = open("/proc/cpuinfo").read().split() if Path("/proc/cpuinfo").exists() else None
+    if flags is not None:  # Linux says it independently of torch
+        assert native_bf16("cpu") == bool({"avx512_bf16", "amx_bf16"} & set(flags))
+    for native in (True, False):
+        monkeypatch.setattr("torch.cpu._is_avx512_bf16_supported", lambda native=native: native)
+        monkeypatch.setattr("torch.cpu._is_amx_tile_supported", lambda: False)
+        assert MCDConfig(amp="auto").amp == ("bf16" if native else "none")
+        assert MCDConfig(amp="auto").to_dict()["amp"] != "auto"  # config.json and the cache keys hold what runs
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert not native_bf16("cuda") and not native_bf16("not a device") and native_bf16("cpu") is False
 
 
 AT_LEAST = {"ood_size": 1, "n_val": 1, "train_subset": 0, "test_subset": 0, "n_holdout": 1, "pretrain_epochs": 1,
@@ -138,8 +152,9 @@ def test_step_b_presets_fine_tune_as_the_blog_on_the_same_pretrained_network(nam
 def test_cpu_presets():
     q = get_preset("quick")
     assert (q.id_dataset, q.model, q.norm, q.pretrain_epochs, q.pretrain_milestones, q.finetune_epochs,
-            q.steps_per_epoch, q.finetune_lr, q.schedule) == ("fashion_mnist", "small_cnn", "batch", 4, (3,), 1, 150, 0.003,
+            q.steps_per_epoch, q.finetune_lr, q.schedule) == ("fashion_mnist", "small_cnn", "batch", 6, (4,), 1, 150, 0.003,
                                                               "official")
+    assert q.channels_last and q.amp == ("bf16" if native_bf16("cpu") else "none")  # the fastest measured CPU settings
     nb = get_preset("notebook")
     assert pretraining(nb) == pretraining(q) and (nb.finetune_epochs, nb.strategies) == (3, ("separate",))
     nq = get_preset("notebook-quick")

@@ -290,6 +290,30 @@ def test_odin_takes_the_best_validation_pair_of_the_grid_or_the_published_one_wi
         assert torch.equal(v, before[k]), k
 
 
+def test_the_baselines_score_the_id_images_once_per_pretrained_network(run, monkeypatch):
+    """Another OOD set with the same ID images and network: only its OOD images are scored again, and the rows
+    are those of a computation from scratch; another network scores the ID images again."""
+    res, _ = run
+    split, base = res.split, res.models["base"]
+    other = dataclasses.replace(split, val_ood_x=split.val_ood_x * 0.5, test_ood_x=split.test_ood_x * 0.5)
+    seen, real = [], pipeline.odin_scores
+    monkeypatch.setattr(pipeline, "odin_scores", lambda m, x, *a, **k: seen.append(x.data_ptr()) or real(m, x, *a, **k))
+    for cfg in (TINY, LAST):  # the grid searched; ODIN's published pair
+        pipeline.evaluate(cfg, base, {}, split, "gaussian", methods=("msp", "odin", "energy"))
+        seen.clear()
+        rows, _ = pipeline.evaluate(cfg, base, {}, other, "gaussian", methods=("msp", "odin", "energy"))
+        id_side = {split.val_id_x.data_ptr(), split.test_id_x.data_ptr()}
+        assert seen and not id_side & set(seen)
+        pipeline._MEMO.clear()
+        assert rows == pipeline.evaluate(cfg, base, {}, other, "gaussian", methods=("msp", "odin", "energy"))[0]
+    changed = copy.deepcopy(base)
+    with torch.no_grad():
+        changed.F1.bias[0] += 1.0
+    seen.clear()
+    pipeline.evaluate(LAST, changed, {}, split, "gaussian", methods=("odin",))
+    assert split.test_id_x.data_ptr() in seen
+
+
 def test_a_second_call_loads_the_pretrained_network(run, no_training):
     res, _ = run
     logs = []
