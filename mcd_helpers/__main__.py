@@ -2,7 +2,7 @@
 
 Examples::
 
-    python -m mcd_helpers reproduce --preset quick --out runs/demo            # CPU, about 15 minutes
+    python -m mcd_helpers reproduce --preset quick --out runs/demo            # CPU, about 5 minutes
     python -m mcd_helpers reproduce --preset quick --out runs/demo --resume   # after an interruption
     python -m mcd_helpers reproduce --preset quick --out runs/x --strategies concat --margin 0.8
     torchrun --standalone --nproc_per_node=2 -m mcd_helpers reproduce --preset quick --out runs/ddp

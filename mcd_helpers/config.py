@@ -97,7 +97,7 @@ class MCDConfig:
 
     # --- run ---
     seed: int = 0  # seeds the weights, the data order and the generated OOD sets
-    eval_batch_size: int = 1000  # images per evaluation forward (memory, not results)
+    eval_batch_size: int = 250  # images per evaluation forward (speed and memory, not results: docs/speed.md)
     device: str = "cpu"  # cpu, cuda, cuda:1, mps
     num_threads: int = 0  # 0 = PyTorch's default
     checkpoint_every: int = 50  # steps between checkpoints (and at every epoch end); 0 = epoch ends only
