@@ -63,7 +63,7 @@ BENCHMARK_PRESETS = {
     # reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25 fine-tuning steps of 64 + 64.
     "near-ood-quick": BenchmarkPreset(
         MCDConfig(train_subset=20_000, test_subset=5000, n_val=500, n_holdout=3000, ood_size=2000, steps_per_epoch=25,
-                  **_FINETUNE, **_ODIN), class_splits=("a",), seeds=5, max_seeds=5,
+                  amp="auto", **_FINETUNE, **_ODIN), class_splits=("a",), seeds=5, max_seeds=5,
         about="split a, every protocol, strategy and method, 5 seeds; CPU, <= 20 minutes"),
     # Three class splits, every test image, the GroupNorm reference with both strategies (its concat - separate is
     # the no-coupling control), far rows (split a), 5 seeds (up to 10). About an hour on 2 cores.
