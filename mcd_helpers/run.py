@@ -81,14 +81,10 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         write_json(out / "run.json", {"status": "running", "pid": os.getpid(), "resumed": resume,
                                       "started": datetime.datetime.now().isoformat(timespec="seconds"), **settings})
 
-    info = {"status": "finished"}  # what run.json gets when the run ends; the run adds to it
+    info, prepared = {"status": "finished"}, False  # info: what run.json gets when the run ends; the run adds to it
     try:
         ddp.rank0_first(lambda: prepare() if ddp.is_main() else None)
-    except BaseException:
-        if lock.is_locked:  # taken, then a deletion or a write failed: free the folder again
-            lock.release()
-        raise
-    try:
+        prepared = True  # from here on, run.json records how the run ends
         yield info
     except BaseException as err:
         info = {"status": "interrupted" if isinstance(err, (KeyboardInterrupt, TrainingInterrupted)) else "failed",
@@ -96,11 +92,11 @@ def output_folder(out: Path, settings: dict, resume: bool = False, fresh: bool =
         raise
     finally:
         try:
-            if ddp.is_main():
+            if prepared and ddp.is_main():  # a failed prepare leaves run.json as it was
                 write_json(out / "run.json", {**_read_run(out), **info,
                                               "updated": datetime.datetime.now().isoformat(timespec="seconds")})
         finally:
-            if lock.is_locked:
+            if lock.is_locked:  # taken, also when a deletion or a write of prepare failed: free the folder again
                 lock.release()
 
 
