@@ -3,13 +3,15 @@
     python benchmarks/gpu_estimate.py                    # about a minute on 2 cores
     python benchmarks/gpu_estimate.py --shares 0.1,0.3 --peak-tflops 989
 
-No GPU is lent to this project. For each ``paper-*`` preset this counts the FLOPs of one training
+No GPU is lent to this project. For each GPU preset (``paper-*``, ``unofficial-*``) this counts the FLOPs of one training
 image (forward + backward, ``torch.utils.flop_counter.FlopCounterMode``, which counts matrix
 multiplications and convolutions, 2 per multiply-add) and of one evaluation image (forward), multiplies
 them by the images the preset processes (pre-training, the fine-tuning per OOD set with Step A and
 Step B, per-epoch validation, the MCD test forwards; ODIN's search and scoring, at 3 forwards per
 gradient), and divides by ``share x peak``. Peak: an H200's dense bf16 tensor-core rate, 989 TFLOP/s
-(NVIDIA's H200 data sheet, without sparsity). The share a CIFAR-sized network reaches is not known
+(NVIDIA's H200 data sheet, without sparsity): the time of a run with ``--amp bf16``; the presets train in
+float32 (TF32's dense peak is half, the hours double). The ID test images are counted per OOD set, as if
+nothing were kept between sets (a small overestimate). The share a CIFAR-sized network reaches is not known
 here: the table gives two (``--shares``, default 5% and 20%; DenseNet-BC's 12-channel layers sit near the
 low one, WRN-28-10's wide convolutions nearer the high one); ``benchmarks/cuda_check.py`` measures the
 real rate on a GPU.

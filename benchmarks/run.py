@@ -141,7 +141,7 @@ def _cfg(model_name: str, batch: int, steps: int, device: str, variant: str) -> 
 def _block(loop: str, model, x, y, xu, split, cfg, strategy: str) -> None:
     if loop == "raw":
         raw_loop(model, x, y, xu, cfg.steps_per_epoch, strategy, cfg.batch_size_sup, cfg.batch_size_unsup,
-                 cfg.device, cfg.amp, cfg.channels_last, cfg.data_on_device, cfg.compile,
+                 cfg.device, cfg.resolved_amp(), cfg.channels_last, cfg.data_on_device, cfg.compile,
                  (split.val_id_x, split.val_ood_x))
     else:
         train(model, split, cfg, strategy, progress=False)

@@ -37,9 +37,9 @@ RUN_FIELDS = ("selection", "sync_bn", "device", "num_threads", "eval_batch_size"
 def native_bf16(device: str = "cpu") -> bool:
     """Whether ``device`` computes bfloat16 natively: a CUDA GPU that supports it, or a CPU with AVX-512 BF16
     or AMX (oneDNN's bf16 kernels; other CPUs emulate bf16, slower than float32)."""
-    if device.split(":")[0] == "cuda":
-        return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    return device == "cpu" and any(getattr(torch.cpu, f, bool)() for f in ("_is_avx512_bf16_supported",
+    if str(device).split(":")[0] == "cuda":  # without emulation: emulated bf16 is slower than float32
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    return str(device) == "cpu" and any(getattr(torch.cpu, f, bool)() for f in ("_is_avx512_bf16_supported",
                                                                            "_is_amx_tile_supported"))
 
 
@@ -111,8 +111,6 @@ class MCDConfig:
     sync_bn: bool = False  # under torchrun: SyncBatchNorm, statistics over the global batch (GPUs only)
 
     def __post_init__(self) -> None:
-        if self.amp == "auto":  # resolved here: config.json and the cache keys hold what runs
-            self.amp = "bf16" if native_bf16(self.device) else "none"
         for name in ("ood_sets", "strategies", "pretrain_milestones", "odin_temperatures", "odin_epsilons"):
             setattr(self, name, tuple(getattr(self, name)))
         choices = {"id_dataset": ID_DATASETS, "model": MODELS, "norm": NORMS, "schedule": FINETUNE_SCHEDULES,
@@ -171,6 +169,11 @@ class MCDConfig:
         if unknown := [o for o in self.ood_sets if o not in known]:
             raise ConfigError("ood_sets", f"unknown OOD set(s) {unknown} for {self.id_dataset}; choose from "
                                           f"{', '.join(known)}.")
+
+    def resolved_amp(self) -> str:
+        """``amp`` with ``"auto"`` resolved for ``device`` when asked (a preset's ``--device cuda`` too):
+        ``"bf16"`` where :func:`native_bf16`, else ``"none"``. What trains, and what the cache keys hold."""
+        return ("bf16" if native_bf16(self.device) else "none") if self.amp == "auto" else self.amp
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -102,6 +102,7 @@ def cache_key(cfg, stage: str, **more) -> str:
     stages every field but :data:`~mcd_helpers.config.RUN_FIELDS`; plus ``more`` (the OOD set, the strategy),
     ``channels_last`` when on, and, under torchrun, the world size and SyncBatchNorm."""
     fields, held = {k: v for k, v in cfg.to_dict().items() if k not in RUN_FIELDS}, cfg.protocol != "transductive"
+    fields["amp"] = cfg.resolved_amp()  # what trains: "auto" is bf16 on one machine, float32 on another
     if stage == "pretrain":  # the protocol reduced to what the labeled set is
         skip = ("protocol",) if held else ("protocol", "n_holdout", "split_seed")
         fields = {**{k: fields[k] for k in PRETRAIN_FIELDS if k not in skip}, "labeled": "holdout" if held else "all"}
@@ -238,8 +239,9 @@ _MEMO: dict = {}  # the baselines once per pre-trained network: a hash of (what,
 
 
 def _memo(what: tuple, tensors: list, compute: Callable):
-    """``compute()``, or what it gave before in this process for ``what`` and ``tensors`` of the same bytes (a
-    network's state, images); the 64 newest kept."""
+    """``compute()`` (a list or tuple of tensors), or what it gave before in this process for ``what`` and
+    ``tensors`` of the same bytes (a network's state, images), as copies: a caller may change them in place.
+    The 64 newest kept."""
     h = hashlib.blake2b(repr(what).encode(), digest_size=16)
     for t in tensors:
         h.update(repr(t.shape).encode())
@@ -247,7 +249,7 @@ def _memo(what: tuple, tensors: list, compute: Callable):
     if (key := h.hexdigest()) not in _MEMO:
         _MEMO.pop(next(iter(_MEMO))) if len(_MEMO) >= 64 else None
         _MEMO[key] = compute()
-    return _MEMO[key]
+    return type(_MEMO[key])(t.clone() for t in _MEMO[key])
 
 
 def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, ood: str,

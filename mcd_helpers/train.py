@@ -180,7 +180,8 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     official = fine and cfg.schedule == "official"
     names = ("ce", "dis", "gap") + (("step_a",) if official else ()) if fine else ("ce",)
     stage = f"fine-tuning ({check_strategy(strategy)})" if fine else "pre-training"
-    autocast = lambda: torch.autocast(torch.device(cfg.device).type, torch.bfloat16, enabled=cfg.amp == "bf16")  # noqa: E731
+    bf16 = cfg.resolved_amp() == "bf16"
+    autocast = lambda: torch.autocast(torch.device(cfg.device).type, torch.bfloat16, enabled=bf16)  # noqa: E731
     state = {"stage": stage, "key": key, "epoch": 0, "step": 0, "history": asdict(History()),
              "best": None, "best_auroc": float("-inf")}
 

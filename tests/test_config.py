@@ -5,10 +5,12 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from mcd_helpers.config import PRESETS, PRETRAIN_FIELDS, MCDConfig, get_preset, native_bf16
 from mcd_helpers.data import DataNotFoundError
 from mcd_helpers.errors import ConfigError, TrainingInterrupted, exit_code
+from mcd_helpers.pipeline import cache_key
 
 ODIN_FOLDERS = ("Imagenet", "Imagenet_resize", "LSUN", "LSUN_resize", "iSUN")
 
@@ -36,16 +38,21 @@ def test_a_choice_outside_its_list(field, value, valid):
     refused(field, f"{field} must be one of {valid}, got '{value}'", **{field: value})
 
 
-def test_amp_auto_is_bf16_where_the_cpu_has_native_bf16_and_resolved_before_anything_keeps_it(monkeypatch):
+def test_amp_auto_is_bf16_where_the_device_has_native_bf16_and_the_cache_keys_hold_what_trains(monkeypatch):
     flags = open("/proc/cpuinfo").read().split() if Path("/proc/cpuinfo").exists() else None
     if flags is not None:  # Linux says it independently of torch
         assert native_bf16("cpu") == bool({"avx512_bf16", "amx_bf16"} & set(flags))
     for native in (True, False):
         monkeypatch.setattr("torch.cpu._is_avx512_bf16_supported", lambda native=native: native)
         monkeypatch.setattr("torch.cpu._is_amx_tile_supported", lambda: False)
-        assert MCDConfig(amp="auto").amp == ("bf16" if native else "none")
-        assert MCDConfig(amp="auto").to_dict()["amp"] != "auto"  # config.json and the cache keys hold what runs
+        auto, fixed = MCDConfig(amp="auto"), MCDConfig(amp="bf16" if native else "none")
+        assert auto.resolved_amp() == fixed.resolved_amp() == fixed.amp
+        assert cache_key(auto, "pretrain") == cache_key(fixed, "pretrain")  # the key of what trains
+        assert cache_key(auto, "finetune") == cache_key(fixed, "finetune")
+        assert native_bf16(torch.device("cpu")) == native  # a torch.device as well as a string
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    # a preset's "auto" is resolved for the device given later (the CPU's bf16 is not the GPU's)
+    assert dataclasses.replace(get_preset("quick"), device="cuda").resolved_amp() == "none"
     assert not native_bf16("cuda") and not native_bf16("not a device") and native_bf16("cpu") is False
 
 
@@ -154,7 +161,8 @@ def test_cpu_presets():
     assert (q.id_dataset, q.model, q.norm, q.pretrain_epochs, q.pretrain_milestones, q.finetune_epochs,
             q.steps_per_epoch, q.finetune_lr, q.schedule) == ("fashion_mnist", "small_cnn", "batch", 6, (4,), 1, 150, 0.003,
                                                               "official")
-    assert q.channels_last and q.amp == ("bf16" if native_bf16("cpu") else "none")  # the fastest measured CPU settings
+    assert q.channels_last and q.amp == "auto"  # the fastest measured CPU settings
+    assert q.resolved_amp() == ("bf16" if native_bf16("cpu") else "none")
     nb = get_preset("notebook")
     assert pretraining(nb) == pretraining(q) and (nb.finetune_epochs, nb.strategies) == (3, ("separate",))
     nq = get_preset("notebook-quick")

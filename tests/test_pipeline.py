@@ -314,6 +314,15 @@ def test_the_baselines_score_the_id_images_once_per_pretrained_network(run, monk
     assert split.test_id_x.data_ptr() in seen
 
 
+def test_the_memo_hands_out_copies_that_a_caller_may_change(run):
+    """Scores changed in place by a caller (a notebook normalising them) leave the next OOD set's rows alone."""
+    res, _ = run
+    first, scores = pipeline.evaluate(LAST, res.models["base"], {}, res.split, "gaussian", methods=("odin",))
+    scores["odin"][0].zero_()  # the ID test images' ODIN scores
+    again, _ = pipeline.evaluate(LAST, res.models["base"], {}, res.split, "gaussian", methods=("odin",))
+    assert again == first and again[0]["auroc"] < 1.0
+
+
 def test_a_second_call_loads_the_pretrained_network(run, no_training):
     res, _ = run
     logs = []
