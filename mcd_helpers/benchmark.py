@@ -8,16 +8,20 @@ MCD runs on ``small_cnn`` with BatchNorm under each strategy, and on ``small_cnn
 reference in which no sample is coupled to another (rows with ``norm = "group"``). The seed varies
 pre-training and fine-tuning; the splits are fixed (``split_seed``), so two strategies with one seed are a pair.
 
-``--out`` gets ``results.json`` (a row per cell, selection, method and strategy: the settings, the
-five metrics and ``id_accuracy`` as fractions, ``scores``), ``scores/<row>.npz`` (``id`` and ``ood``,
-the per-sample test scores, higher = more OOD), ``summary.md``, ``forest.png`` and ``by_protocol.png``
-(:mod:`mcd_helpers.report`). A finished cell is written to ``cells/`` at once, so ``--resume``
-continues where an interrupted run stopped.
+``--out`` gets ``results.json`` (a row per cell, selection, method, strategy and evaluation statistics:
+the settings, the five metrics and ``id_accuracy`` as fractions, ``eval_stats``, ``finetune_steps``,
+``scores``), ``scores/<row>.npz`` (``id`` and ``ood``, the per-sample test scores as float32, higher =
+more OOD; compressed), ``summary.md``, ``forest.png`` and ``by_protocol.png`` (:mod:`mcd_helpers.report`).
+A finished cell is written to ``cells/`` at once with the seconds it took, so ``--resume`` continues
+where an interrupted run stopped; a cell's key holds the settings and the code's hash
+(:func:`code_version`). A preset's ``endpoints`` are tested in ``summary.md``
+(:func:`mcd_helpers.stats.endpoint_tests`).
 
 Example: ``python -m mcd_helpers benchmark --preset near-ood-quick --out runs/near-ood-quick``
 """
 
 import dataclasses
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -46,10 +50,12 @@ class BenchmarkPreset:
     class_splits: tuple[str, ...]
     protocols: tuple[str, ...] = PROTOCOLS
     selections: tuple[str, ...] = SELECTIONS
-    strategies: tuple[str, ...] = STRATEGIES
+    strategies: tuple[str, ...] = STRATEGIES[:4]  # separate, concat, split-bn, recalibrate
     reference: tuple[str, ...] = ("separate",)
     far_ood_sets: tuple[str, ...] = ()
     far_strategies: tuple[str, ...] = ("separate", "concat")
+    recalibrated: bool = False  # also evaluate each BatchNorm network with recalibrated statistics (eval_stats)
+    endpoints: tuple[tuple[str, str, str, str], ...] = ()  # (a, b, metric, eval_stats): the primary, then secondaries
     seeds: int = 5
     max_seeds: int = 10
     about: str = ""
@@ -72,6 +78,19 @@ BENCHMARK_PRESETS = {
         class_splits=("a", "b", "c"), reference=("separate", "concat"), far_ood_sets=("digits", "photo_crops", "gaussian"),
         about="splits a, b, c, every protocol, strategy and method, far rows, 5 seeds; CPU, about an hour"),
     # The test suite's: the whole grid at toy size (a minute or two).
+    # The pre-registered primary endpoint (README, "The reference answer"): split a, disjoint, last epoch, AUROC of
+    # MCD concat - separate with the running statistics, paired over 20 seeds (t-test, 95% CI, exact sign test).
+    # 6,400 unlabeled images, 2 x 100 steps of 64 + 64: every unlabeled image drawn exactly twice. Secondaries (one
+    # family, Holm): concat-both against both, concat - separate with recalibrated statistics and in FPR95, and
+    # separate - frozen-bn (frozen-bn-concat - frozen-bn is the no-coupling check: 0 to float rounding).
+    "primary": BenchmarkPreset(
+        MCDConfig(train_subset=30_000, n_val=500, n_holdout=4440, ood_size=5000, steps_per_epoch=100, **_FINETUNE, **_ODIN),
+        class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",), reference=(), recalibrated=True,
+        strategies=("separate", "concat", "concat-both", "frozen-bn", "frozen-bn-concat"), seeds=20, max_seeds=40,
+        endpoints=(("concat", "separate", "auroc", "running"), ("concat-both", "separate", "auroc", "running"),
+                   ("concat-both", "concat", "auroc", "running"), ("concat", "separate", "auroc", "recalibrated"),
+                   ("concat", "separate", "fpr95", "running"), ("separate", "frozen-bn", "auroc", "running")),
+        about="the primary endpoint: split a, disjoint, last epoch, 5 arms, recalibrated statistics, 20 seeds; CPU"),
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,
                   pretrain_epochs=1, pretrain_milestones=(), pretrain_batch_size=64, steps_per_epoch=4,
@@ -152,13 +171,23 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
     for norm, strategies, methods in networks:
         stem = f"{cell.name}_{norm}"
         res = run_ood_set(_cell_config(p, cell, norm=norm, strategies=tuple(strategies)), data, cell.ood, p.selections,
-                          methods, retrained, progress, None, None, out / "checkpoints" / stem, resume)
+                          methods, retrained, progress, None, None, out / "checkpoints" / stem, resume, p.recalibrated)
         for r, (s_id, s_ood) in zip(res.rows, res.row_scores):
-            rel = "scores/" + "_".join(filter(None, (stem, r["selection"], r["method"], r["strategy"]))) + ".npz"
-            write_buffered(out / rel, lambda f: np.savez(f, id=s_id.numpy(), ood=s_ood.numpy()))  # the metrics' dtype
+            stats = r["eval_stats"] if r["eval_stats"] == "recalibrated" and r["strategy"] != "recalibrate" else ""
+            rel = "scores/" + "_".join(filter(None, (stem, r["selection"], r["method"], r["strategy"], stats))) + ".npz"
+            # the metrics' dtype (float32), compressed: float16 moved the toy run's AUROC by up to 0.14 (small scores)
+            write_buffered(out / rel, lambda f: np.savez_compressed(f, id=s_id.numpy(), ood=s_ood.numpy()))
             # the pipeline's row (settings, metrics, ODIN's T and epsilon, MCD's selected epoch) and the cell's
             rows.append({"task": cell.task, **r, "norm": norm, "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood)})
     return rows
+
+
+def code_version() -> str:
+    """The sha256 (16 hex digits) of the package's sources: in every cell's key, so that changed code reruns."""
+    h = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:16]
 
 
 def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_splits=None, protocols=None,
@@ -183,9 +212,9 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
         raise ConfigError("far_ood_sets", f"far OOD sets {bad} are not offline; valid: {', '.join(OFFLINE_OOD_SETS)}.")
     out, t0, log = Path(out_dir), time.time(), (lambda msg: None) if quiet else tqdm.write
     settings = {"preset": preset, **{k: v for k, v in dataclasses.asdict(p).items() if k != "config"},
-                "config": p.config.to_dict()}
-    grid = [p.strategies, p.reference, p.far_strategies, p.selections,  # in a cell's key, with its config
-            p.config.odin_temperatures, p.config.odin_epsilons]
+                "config": p.config.to_dict(), "code_version": code_version()}
+    grid = [p.strategies, p.reference, p.far_strategies, p.selections, p.recalibrated,  # in a cell's key, with
+            p.config.odin_temperatures, p.config.odin_epsilons, settings["code_version"]]  # its config
     with output_folder(out, settings, resume, fresh, quiet) as info:
         data, cells = load_data(p.config), cells_of(p)
         for cell in {dataclasses.replace(c, seed=0) for c in cells}:  # every split of the grid, before any training
@@ -206,7 +235,7 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
             rows += cell_rows
         seconds = round(time.time() - t0, 1)
-        write_report(rows, out, title=f"Benchmark {preset}: {p.about}", seconds=seconds)  # then results.json, the last
+        write_report(rows, out, title=f"Benchmark {preset}: {p.about}", seconds=seconds, endpoints=p.endpoints)  # then results.json, the last
         write_json(out / "config.json", settings)
         write_json(out / "results.json", rows)
         info.update(seconds=seconds, cells=len(cells), rows=len(rows))

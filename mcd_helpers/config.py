@@ -13,7 +13,7 @@ import torch
 
 from .data import ID_DATASETS, OFFLINE_OOD_SETS, OOD_SETS
 from .errors import ConfigError
-from .forwards import STRATEGIES
+from .forwards import BN_ONLY, STRATEGIES
 from .models import MODELS, NORMS
 from .splits import PROTOCOLS, class_split
 
@@ -81,7 +81,7 @@ class MCDConfig:
 
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
-    strategies: tuple[str, ...] = ("separate", "concat")  # separate | concat | split-bn | recalibrate (forwards)
+    strategies: tuple[str, ...] = ("separate", "concat")  # separate|concat|concat-both|split-bn|recalibrate|frozen-bn|frozen-bn-concat
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
     finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)
@@ -137,8 +137,8 @@ class MCDConfig:
                                               f"would be inf), got {self.margin}; the official margin is 1.2"),
             ("strategies", self.strategies and set(self.strategies) <= set(STRATEGIES),
              f"strategies must be a non-empty subset of {STRATEGIES}, got {self.strategies}"),
-            ("strategies", self.norm == "batch" or not {"split-bn", "recalibrate"} & set(self.strategies),
-             f"strategies split-bn and recalibrate need norm='batch'; with norm={self.norm!r} use separate or concat"),
+            ("strategies", self.norm == "batch" or not set(BN_ONLY) & set(self.strategies),
+             f"strategies {', '.join(BN_ONLY)} need norm='batch'; with norm={self.norm!r} use separate, concat or concat-both"),
             ("norm", self.model == "small_cnn" or self.norm == "batch", f"norm={self.norm!r} is for small_cnn only"),
             ("sync_bn", not self.sync_bn or self.device.startswith("cuda"),
              f"--sync-bn needs GPUs (in torch 2.14.1 SyncBatchNorm has no CPU kernel), got device {self.device!r}"),

@@ -13,7 +13,12 @@ Official fine-tuning (github.com/YU1ut/UOOD-MCD ``solver.py``), each iteration:
 * ``"split-bn"``: separate forwards through per-source BatchNorm (labeled = source 0, unlabeled =
   source 1, :func:`mcd_helpers.norms.per_source_batchnorm`); evaluation uses source 0;
 * ``"recalibrate"``: ``separate``; after fine-tuning the pipeline recomputes the running
-  statistics on labeled ID data (:func:`mcd_helpers.norms.recalibrate_bn`).
+  statistics on labeled ID data (:func:`mcd_helpers.norms.recalibrate_bn`);
+* ``"concat-both"``: ``concat``, and Step A also forwards ``torch.cat([x_sup, x_unsup])`` (its loss on
+  the labeled rows), so that every BatchNorm update of the iteration sees both streams;
+* ``"frozen-bn"`` / ``"frozen-bn-concat"``: ``separate`` / ``concat`` with BatchNorm in eval mode
+  during fine-tuning (:func:`mcd_helpers.norms.freeze_bn`): no coupling, so the two train the same
+  network up to float rounding; the same-network control.
 
 Concat and separate give the same loss and gradients exactly when no layer couples the samples of
 a batch; train-mode BatchNorm does (notebook 02).
@@ -27,7 +32,9 @@ from torch import nn
 from .losses import step_b_objective, supervised_loss
 from .norms import has_sources, use_source
 
-STRATEGIES = ("separate", "concat", "split-bn", "recalibrate")
+STRATEGIES = ("separate", "concat", "split-bn", "recalibrate", "concat-both", "frozen-bn", "frozen-bn-concat")
+CONCAT = ("concat", "concat-both", "frozen-bn-concat")  # Step B forwards torch.cat([x_sup, x_unsup])
+BN_ONLY = ("split-bn", "recalibrate", "frozen-bn", "frozen-bn-concat")  # need BatchNorm (norm="batch")
 
 
 def split_rows(output, sizes: Sequence[int]) -> list:
@@ -51,22 +58,22 @@ def split_rows(output, sizes: Sequence[int]) -> list:
     raise TypeError(f"the model's output must be a tensor or a flat tuple of tensors, got {got}.")
 
 
-def forward_outputs(model: nn.Module, batches: Sequence[torch.Tensor], strategy: str) -> list:
+def forward_outputs(model: nn.Module, batches: Sequence[torch.Tensor], strategy: str, **kw) -> list:
     """The model's output for each batch, by ``"concat"`` (one forward of ``torch.cat(batches)``, split
     by rows) or ``"separate"`` (one forward per batch; batch ``i`` with source ``i``'s statistics when
-    the model has per-source BatchNorm).
+    the model has per-source BatchNorm). ``kw`` goes to every forward (``detach_f2=True`` in Step A).
 
     Shapes:
         batches: ``[(N_1, ...), ..., (N_k, ...)]`` -> ``k`` outputs, output ``i`` with ``N_i`` rows.
     """
     if strategy == "concat":
-        return split_rows(model(torch.cat(list(batches))), [len(x) for x in batches])  # (sum N_i, ...) split
+        return split_rows(model(torch.cat(list(batches)), **kw), [len(x) for x in batches])  # (sum N_i, ...) split
     if strategy != "separate":
         raise ValueError(f"strategy must be 'concat' or 'separate', got {strategy!r}.")
     outs = []
     for i, x in enumerate(batches):
         with use_source(model, i):  # per-source BatchNorm: batch i with statistics i (else a no-op)
-            outs.append(model(x))
+            outs.append(model(x, **kw))
     return outs
 
 
@@ -93,15 +100,19 @@ def step_b_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_un
     """
     if check_strategy(strategy) == "split-bn" and not has_sources(model):
         raise ValueError("'split-bn' needs per-source BatchNorm: use mcd_helpers.norms.per_source_batchnorm(model).")
-    outputs = forward_outputs(model, [x_sup, x_unsup], "concat" if strategy == "concat" else "separate")
+    outputs = forward_outputs(model, [x_sup, x_unsup], "concat" if strategy in CONCAT else "separate")
     return step_b_objective(outputs, y_sup, margin)
 
 
-def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor) -> torch.Tensor:
+def step_a_loss(model: nn.Module, x_sup: torch.Tensor, y_sup: torch.Tensor, x_unsup: torch.Tensor | None = None) -> torch.Tensor:
     """Official Step A: CE(F1(G(x))) + CE(F2(G(x).detach())), nats; only CE(F1) reaches G.
 
-    One forward ``model(x_sup, detach_f2=True)``, so a DistributedDataParallel wrapper sees it.
-    Shapes: x_sup ``(N, C, H, W)``, y_sup ``(N,)`` -> scalar.
+    One forward ``model(x_sup, detach_f2=True)``, so a DistributedDataParallel wrapper sees it; with
+    ``x_unsup`` (strategy ``"concat-both"``) one forward of ``torch.cat([x_sup, x_unsup])``, the loss on
+    the labeled rows alone (the unlabeled rows only share BatchNorm's batch statistics).
+    Shapes: x_sup ``(N, C, H, W)``, y_sup ``(N,)``, x_unsup ``(M, C, H, W)`` -> scalar.
     """
+    if x_unsup is not None:
+        return supervised_loss(*forward_outputs(model, [x_sup, x_unsup], "concat", detach_f2=True)[0], y_sup)
     with use_source(model, 0):
         return supervised_loss(*model(x_sup, detach_f2=True), y_sup)

@@ -14,11 +14,13 @@ from typing import Sequence
 from .files import atomic_write, write_buffered
 from .metrics import METRIC_KEYS
 from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
-from .stats import GROUP_KEYS, paired_differences, summarize
+from .stats import GROUP_KEYS, endpoint_tests, paired_differences, summarize
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a benchmark group: task, split, protocol, selection, method, OOD, network
-COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"))
-METRICS = ("auroc", "fpr95", "id_accuracy")
+RECAL = " (recalibrated)"  # a strategy evaluated with recalibrated statistics (eval_stats) is its own arm here
+COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"), ("concat-both", "separate"),
+               ("concat" + RECAL, "separate" + RECAL), ("separate", "frozen-bn"), ("frozen-bn-concat", "frozen-bn"))
+METRICS = ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")
 ALL_SPLITS = "all"  # class_split of the pairs pooled over every class split (a pair = one split and seed)
 
 
@@ -30,6 +32,13 @@ def markdown_table(header: Sequence, rows: Sequence[Sequence], align: str = "") 
 
 def _ci(ci: dict, signed: bool = False) -> str:
     return f"{100 * ci['mean']:{'+' if signed else ''}.2f} ± {100 * ci['half_width']:.2f}"
+
+
+def arms(rows: Sequence[dict]) -> list[dict]:
+    """The rows with a row evaluated with recalibrated statistics renamed to strategy ``"<strategy> (recalibrated)"``
+    (strategy ``recalibrate`` keeps its name), so that the tables group and pair it as an arm of its own."""
+    return [{**r, "strategy": r["strategy"] + RECAL} if r.get("eval_stats") == "recalibrated" and r["strategy"] !=
+            "recalibrate" else r for r in rows]
 
 
 def method_label(g: dict) -> str:
@@ -59,7 +68,7 @@ def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[
     """``(summary, paired)`` of ``task``'s rows: mean and 95% CI of AUROC, FPR95 and ID accuracy per group of
     :data:`KEYS` and strategy, and each comparison of :data:`COMPARISONS` per group (with several class
     splits also pooled over them, ``class_split = "all"``). ValueError from the statistics."""
-    mine = [r for r in rows if r["task"] == task]
+    mine = arms([r for r in rows if r["task"] == task])
     pairs = lambda rs: [d for a, b in COMPARISONS if {a, b} <= {r["strategy"] for r in rs} for m in METRICS  # noqa: E731
                         for d in paired_differences([r for r in rs if r["strategy"] in (a, b)], a, b, m, KEYS)]
     return summarize(mine, METRICS, KEYS + ("strategy",)), _with_pooled(mine, pairs)
@@ -72,7 +81,7 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
     if field not in ("protocol", "selection"):
         raise ValueError(f"field must be 'protocol' or 'selection', got {field!r}.")
     keys = tuple(k for k in KEYS if k != field) + ("arm",)
-    mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in rows
+    mine = [{**r, "strategy": r[field], "arm": r["strategy"] or "-"} for r in arms(rows)
             if r["task"] == task and r[field] in (a, b)]
     return _with_pooled(mine, lambda rs: paired_differences(rs, a, b, metric, keys))
 
@@ -80,7 +89,7 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
 def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
     """The summary of ``task``'s rows over every class split and seed together (a value per split and seed)."""
     keys = tuple(k for k in KEYS + ("strategy",) if k != "class_split")
-    return summarize([r for r in rows if r["task"] == task], METRICS, keys)
+    return summarize(arms([r for r in rows if r["task"] == task]), METRICS, keys)
 
 
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:
@@ -94,14 +103,29 @@ def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: st
     return markdown_table(["method", "n", *(f"{p}: {NAMES.get(metric, metric)} (%)" for p in protocols)], lines)
 
 
-def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float | None = None) -> str:
-    """The whole ``summary.md``: per task (near-OOD, far-OOD) the summary per selection and the paired differences."""
+def endpoints_markdown(tests: Sequence[dict]) -> str:
+    """The table of :func:`mcd_helpers.stats.endpoint_tests`' results: differences in percentage points."""
+    lines = [[d["role"], f"{d['a']} − {d['b']}", NAMES[d["metric"]], d["eval_stats"], d["n"], _ci(d, True),
+              f"{d['p_value']:.2g}", f"{d['sign_p']:.2g}", f"{d['holm_p']:.2g}" if d["role"] == "secondary" else "-"]
+             for d in tests]
+    return markdown_table(["endpoint", "MCD difference", "metric", "statistics", "seeds", "mean ± 95% CI (pp)",
+                           "p (paired t)", "p (sign)", "p (Holm)"], lines, "lllllrrrr")
+
+
+def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float | None = None,
+                 endpoints: Sequence = ()) -> str:
+    """The whole ``summary.md``: the pre-registered ``endpoints`` (if any), then per task (near-OOD, far-OOD) the
+    summary per selection and the paired differences."""
     parts = [f"# {title}", "", f"{len(rows)} rows, seeds {sorted({r['seed'] for r in rows})}. Metrics in %: AUROC, "
              "FPR95 (ID positive, at 95% TPR; lower is better) and F1's ID test accuracy. MCD rows are fine-tuned networks, "
              "MSP/ODIN/energy the pre-trained BatchNorm one. Each cell: mean ± half-width of the 95% confidence interval "
              "over seeds (Student t)."]
     if seconds is not None:
         parts.append(f"\nWall time of this run: {seconds / 60:.1f} min (stages found in the cache are not retrained).")
+    if endpoints:
+        parts += ["", "## Pre-registered endpoints", "", "The first is the primary endpoint; the others are one family, "
+                  "Holm-adjusted. Paired by seed; the sign test is exact (two-sided).", "",
+                  endpoints_markdown(endpoint_tests(rows, endpoints))]
     for task, heading in (("near-ood", "Near-OOD: held-out classes"), ("far-ood", "Far-OOD rows (transductive)")):
         summary, paired = benchmark_tables(rows, task)
         if not summary:  # no rows of this task
@@ -114,7 +138,7 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
             lines = [[g[k] for k in cols] + [g["protocol"], method_label(g), g["n"], *(_ci(g[m]) for m in METRICS)]
                      for g in summary if g["selection"] == selection]
             parts += [f"**Model selection: {selection}**", "", markdown_table(
-                names + ["protocol", "method", "n", "AUROC (%)", "FPR95 (%)", "ID acc. (%)"], lines), ""]
+                names + ["protocol", "method", "n", *(f"{NAMES[m]} (%)" for m in METRICS)], lines), ""]
         by: dict[tuple, dict] = {}
         for d in paired:
             by.setdefault(tuple(d[k] for k in (*cols, "protocol", "selection", "norm", "a", "b")), {})[d["metric"]] = d
@@ -136,7 +160,8 @@ def forest_entries(paired: Sequence[dict]) -> list[dict]:
     return [d for d in entries if d["class_split"] == ALL_SPLITS] or entries
 
 
-def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", seconds: float | None = None) -> None:
+def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", seconds: float | None = None,
+                 endpoints: Sequence = ()) -> None:
     """``summary.md`` and, with near-OOD rows, ``forest.png`` and ``by_protocol.png`` (the first selection) in ``folder``."""
     import matplotlib.pyplot as plt
 
@@ -144,7 +169,7 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
         write_buffered(Path(folder) / name, lambda f: fig.savefig(f, format="png", dpi=100))
         plt.close(fig)
 
-    atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds))
+    atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds, endpoints))
     summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows
     if entries := forest_entries(paired):
         save("forest.png", forest_plot(entries, "auroc", "MCD, held-out classes: paired AUROC differences (same seed)"))

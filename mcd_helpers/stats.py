@@ -8,6 +8,7 @@ d = a - b is the two-sided paired t-test (``scipy.stats.ttest_rel``). The two ag
 when the interval excludes 0 (NIST/SEMATECH e-Handbook of Statistical Methods, 7.2.2 and 7.3.1).
 """
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -89,4 +90,48 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
         p = float("nan") if np.all(xa - xb == (xa - xb)[0]) else float(stats.ttest_rel(xa, xb).pvalue)
         out.append({**dict(zip(keys, key)), "metric": metric, "a": a, "b": b, "seeds": seeds,
                     "diffs": (xa - xb).tolist(), **ci, "p_value": p})
+    return out
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values, in the order given: the i-th smallest p becomes
+    ``max over j <= i of min(1, (m - j + 1) p_(j))`` (Holm 1979, Scand. J. Statist. 6:65-70)."""
+    p = np.asarray(p_values, dtype=np.float64)
+    if (p.size and not np.all((p >= 0) & (p <= 1))) or np.isnan(p).any():
+        raise ValueError(f"p-values must lie in [0, 1], got {p.tolist()}.")
+    order = np.argsort(p, kind="stable")
+    adjusted = np.maximum.accumulate(np.minimum(1.0, (p.size - np.arange(p.size)) * p[order]))
+    out = np.empty_like(p)
+    out[order] = adjusted
+    return out.tolist()
+
+
+def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], confidence: float = 0.95) -> list[dict]:
+    """The pre-registered endpoints of a benchmark: for each ``(a, b, metric, eval_stats)`` the paired
+    differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``), one group per
+    :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role`` (``"primary"`` for the first
+    endpoint, else ``"secondary"``), ``eval_stats``, ``sign_p`` (the exact two-sided sign test over the
+    non-zero differences, ``scipy.stats.binomtest``; NaN when all are 0) and ``holm_p`` (the paired t
+    p-value, Holm-adjusted over the secondary endpoints as one family; the primary's unadjusted).
+
+    Raises:
+        ValueError: an endpoint with no pairs in ``rows`` (named), and as :func:`paired_differences`.
+    """
+    out = []
+    for i, (a, b, metric, eval_stats) in enumerate(endpoints):
+        mine = [r for r in rows if r.get("method") == "mcd" and r.get("norm", "batch") == "batch"
+                and r.get("eval_stats", "running") == eval_stats]
+        found = paired_differences(mine, a, b, metric, GROUP_KEYS, confidence)
+        if not found:
+            raise ValueError(f"endpoint {a} - {b} ({metric}, {eval_stats} statistics) has no paired rows.")
+        for d in found:
+            nonzero = [x for x in d["diffs"] if x != 0]
+            sign = stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue if nonzero else float("nan")
+            out.append({**d, "role": "secondary" if i else "primary", "eval_stats": eval_stats, "sign_p": float(sign)})
+    second = [d for d in out if d["role"] == "secondary"]
+    # a t-test p of NaN (every difference equal): 1 when they are all 0, else 0 (a constant non-zero shift)
+    for d, p in zip(second, holm([float(d["mean"] == 0) if math.isnan(d["p_value"]) else d["p_value"] for d in second])):
+        d["holm_p"] = p
+    for d in out:
+        d.setdefault("holm_p", d["p_value"])
     return out

@@ -34,6 +34,7 @@ from . import ddp
 from .errors import ConfigError, TrainingInterrupted
 from .files import load_state, save_state
 from .forwards import check_strategy, step_a_loss, step_b_loss
+from .norms import freeze_bn
 from .losses import discrepancy_score, supervised_loss
 from .metrics import ood_metrics
 
@@ -228,20 +229,22 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     with _stop_signals(checkpoint is not None) as flag:
         for epoch in range(state["epoch"], epochs):
             model.train()
+            if fine and strategy.startswith("frozen-bn"):  # BatchNorm in eval mode: running statistics, no coupling
+                freeze_bn(net)
             desc = f"{stage} {epoch + 1}/{epochs}"
             for step in tqdm(range(state["step"], steps), desc=desc, disable=not progress, leave=False,
                              initial=state["step"], total=steps):
                 idx = sup.batch(epoch, step)
                 xs, ys = _take(x_sup, idx, cfg), y_sup[idx].to(cfg.device)
-                if official:  # ---- Step A: CE, F2 on detached features ----
+                xu = _take(x_unsup, unsup.batch_at(epoch * steps + step), cfg) if fine else None
+                if official:  # ---- Step A: CE, F2 on detached features (concat-both: the unlabeled rows too) ----
                     with autocast():
-                        loss_a = step_a_loss(model, xs, ys)
+                        loss_a = step_a_loss(model, xs, ys, xu if strategy == "concat-both" else None)
                     opt.zero_grad(set_to_none=True)
                     loss_a.backward()
                     opt.step()
                 with autocast():
                     if fine:  # ---- Step B: CE on both heads + discrepancy loss on an unlabeled batch ----
-                        xu = _take(x_unsup, unsup.batch_at(epoch * steps + step), cfg)
                         loss, parts = step_b_loss(model, xs, ys, xu, strategy, cfg.margin)
                         record = [parts["ce"], parts["dis"], parts["gap"]] + ([loss_a.detach()] if official else [])
                     else:  # ---- pre-training step: CE(F1) + CE(F2) ----

@@ -25,7 +25,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
 
 
 @pytest.mark.parametrize("kwargs, field, match", [
-    (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, "
+    (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, primary, "
                                      r"near-ood-tiny\."),
     (dict(seeds=1), "seeds", r"seeds must be an integer in \[2, 5\] for 'near-ood-quick', got 1\."),
     (dict(seeds=6), "seeds", r"\[2, 5\] for 'near-ood-quick', got 6\."),
@@ -36,7 +36,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
     (dict(protocols=[]), "protocols", r"protocols \[\]: give each value once, from transductive, disjoint, unseen-ood"),
     (dict(protocols=["disjoint", "disjoint"]), "protocols", r"protocols \['disjoint', 'disjoint'\]: give each value once"),
     (dict(strategies=["separate", "mixup"]), "strategies",
-     r"strategies \['separate', 'mixup'\]: give each value once, from separate, concat, split-bn, recalibrate\."),
+     r"strategies \['separate', 'mixup'\]: give each value once, from separate, concat, split-bn, recalibrate, concat-both, frozen-bn, frozen-bn-concat\."),
     (dict(strategies=["concat", "concat"]), "strategies", r"give each value once"),
     (dict(selections=["oracle"]), "selections", r"selections \['oracle'\]: give each value once, from ood-labels, last-epoch\."),
     (dict(class_splits=["z"]), "class_splits", r"unknown class split 'z'; give a known name or the ID and OOD class digits"),
@@ -171,3 +171,36 @@ def test_resuming_cells_written_with_other_settings_is_refused(tiny, tmp_path, m
                                           r"--fresh\.") as err:
         run_benchmark(TINY, out, seeds=SEEDS, strategies=["separate", "concat"], progress=False, quiet=True, resume=True)
     assert err.value.field == "resume"
+
+
+@pytest.fixture(scope="module")
+def arms(tmp_path_factory):
+    """The primary preset's grid (5 arms, recalibrated statistics, endpoints) at near-ood-tiny's sizes, 3 seeds."""
+    root = tmp_path_factory.mktemp("arms")
+    p = BENCHMARK_PRESETS["primary"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MCD_DATA_DIR", str(root / "cache"))
+        mp.setitem(BENCHMARK_PRESETS, "x", dataclasses.replace(p, config=BENCHMARK_PRESETS[TINY].config, max_seeds=5))
+        rows = run_benchmark("x", root / "out", seeds=3, progress=False, quiet=True)
+    return root / "out", rows
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_every_arm_has_running_and_recalibrated_rows_and_frozen_batchnorm_makes_concat_equal_separate(arms):
+    out, rows = arms
+    mcd = {(r["strategy"], r["eval_stats"], r["seed"]): r for r in rows if r["method"] == "mcd"}
+    strategies = BENCHMARK_PRESETS["primary"].strategies
+    assert set(mcd) == {(s, e, seed) for s in strategies for e in ("running", "recalibrated") for seed in range(3)}
+    assert all(r["finetune_steps"] == 2 * 4 and r["model"] == "small_cnn" for r in mcd.values())  # 2 epochs x 4 steps
+    for seed in range(3):
+        for stats in ("running", "recalibrated"):  # no coupling: the same network, to float32 rounding
+            a, b = mcd["frozen-bn", stats, seed], mcd["frozen-bn-concat", stats, seed]
+            assert abs(a["auroc"] - b["auroc"]) < 1e-3 and abs(a["id_accuracy"] - b["id_accuracy"]) < 1e-3
+        assert mcd["concat", "running", seed]["scores"] != mcd["concat", "recalibrated", seed]["scores"]
+    with np.load(out / mcd["concat", "running", 0]["scores"]) as z, np.load(out / mcd["concat", "recalibrated", 0]["scores"]) as w:
+        assert z["id"].dtype == np.float32 and np.abs(z["id"].astype(float) - w["id"]).max() > 1e-3  # other statistics
+    summary = (out / "summary.md").read_text()
+    assert "## Pre-registered endpoints" in summary and "| primary | concat − separate | AUROC | running | 3 |" in summary
+    assert "MCD concat (recalibrated)" in summary
+    assert json.loads((out / "config.json").read_text())["code_version"] == bm.code_version()

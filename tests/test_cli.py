@@ -42,7 +42,7 @@ def test_flags_override_the_preset_parse_their_types_and_switch():
     (["--margin", "inf"], "--margin: margin must be a finite number >= 0.0"),
     (["--finetune-lr", "-0.1"], "--finetune-lr: finetune_lr must be a number > 0"),
     (["--model", "densenet_bc_100", "--norm", "group"], "--norm: norm='group' is for small_cnn only"),
-    (["--strategies", "split-bn", "--norm", "none"], "--strategies: strategies split-bn and recalibrate"),
+    (["--strategies", "split-bn", "--norm", "none"], "--strategies: strategies split-bn, recalibrate, frozen-bn"),
     (["--sync-bn"], "--sync-bn: --sync-bn needs GPUs"),
     (["--ood-sets", "digits, foo"], "--ood-sets: unknown OOD set(s) ['foo'] for fashion_mnist"),
     (["--protocol", "disjoint"], "--protocol: protocol 'disjoint' needs a class_split"),
@@ -113,13 +113,13 @@ def test_help_shows_the_named_presets_own_defaults(preset):
     assert MCDConfig().finetune_lr == 0.01
 
 
-def test_every_flag_has_help_and_strategies_lists_all_four():
+def test_every_flag_has_help_and_strategies_lists_all_seven():
     from mcd_helpers.forwards import STRATEGIES
 
     parser = build_parser([])
     for sub in parser._subparsers._group_actions[0].choices.values():
         assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
-    assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 4
+    assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 7
     bench = {a.dest: a.help for a in parser._subparsers._group_actions[0].choices["benchmark"]._actions}
     from mcd_helpers.config import SELECTIONS
     from mcd_helpers.splits import CLASS_SPLITS, PROTOCOLS

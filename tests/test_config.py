@@ -84,9 +84,9 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
     (dict(margin=1e39), "margin", r"margin must be at most 3.4e38 nats .*got 1e\+39; the official margin is 1.2"),
     (dict(strategies=()), "strategies", "strategies must be a non-empty subset of"),
     (dict(strategies=("separate", "mixed")), "strategies", r"non-empty subset of \('separate', 'concat', 'split-bn', "
-                                                           r"'recalibrate'\), got \('separate', 'mixed'\)"),
-    (dict(norm="group", strategies=("split-bn",)), "strategies", "split-bn and recalibrate need norm='batch'; with "
-                                                                  "norm='group' use separate or concat"),
+                                                           r"'recalibrate', 'concat-both', 'frozen-bn', 'frozen-bn-concat'\), got \('separate', 'mixed'\)"),
+    (dict(norm="group", strategies=("split-bn",)), "strategies", "split-bn, recalibrate, frozen-bn, frozen-bn-concat need "
+                                                                  "norm='batch'; with norm='group' use separate, concat or concat-both"),
     (dict(norm="none", strategies=("recalibrate",)), "strategies", "need norm='batch'"),
     (dict(model="densenet_bc_100", norm="group"), "norm", "norm='group' is for small_cnn only"),
     (dict(sync_bn=True), "sync_bn", "--sync-bn needs GPUs .*got device 'cpu'"),

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from mcd_helpers.compare import ForwardsComparison, compare_forwards, compare_strategies, comparison_table, coupling_matrix
-from mcd_helpers.forwards import STRATEGIES, forward_outputs, split_rows, step_a_loss, step_b_loss
+from mcd_helpers.forwards import CONCAT, STRATEGIES, forward_outputs, split_rows, step_a_loss, step_b_loss
 from mcd_helpers.models import TwoHeadNet
 from mcd_helpers.norms import per_source_batchnorm
 from tiny_models import MLPTwoHead, TinyTwoHead
@@ -123,19 +123,19 @@ def test_step_b_loss_of_every_strategy_matches_the_hand_loss(strategy):
     base = TinyTwoHead("batch").double()
     x_sup, y_sup, x_unsup = data((4, 1, 5, 5), (3, 1, 5, 5))
     ref = copy.deepcopy(base)  # train-mode BatchNorm normalises with the batch: per-source BN gives the same outputs
-    want = (hand_concat if strategy == "concat" else hand_separate)(ref, x_sup, y_sup, x_unsup)
-    other = (hand_separate if strategy == "concat" else hand_concat)(copy.deepcopy(base), x_sup, y_sup, x_unsup)
+    want = (hand_concat if strategy in CONCAT else hand_separate)(ref, x_sup, y_sup, x_unsup)
+    other = (hand_separate if strategy in CONCAT else hand_concat)(copy.deepcopy(base), x_sup, y_sup, x_unsup)
     model = per_source_batchnorm(base) if strategy == "split-bn" else base
     loss, parts = step_b_loss(model, x_sup, y_sup, x_unsup, strategy)
     assert loss.item() == pytest.approx(want.item(), abs=1e-12)
     assert abs(loss.item() - other.item()) > 1e-4  # the strategies really differ under train-mode BatchNorm
     assert parts["ce"] + parts["dis"] == pytest.approx(loss.item(), abs=1e-12)
     tracked = model.norm.num_batches_tracked
-    assert tracked.tolist() == {"concat": 1, "split-bn": [1, 1]}.get(strategy, 2)
+    assert tracked.tolist() == (1 if strategy in CONCAT else {"split-bn": [1, 1]}.get(strategy, 2))
 
 
 @pytest.mark.parametrize("strategy, y, match", [
-    ("both", None, "strategy must be one of separate, concat, split-bn, recalibrate; got 'both'"),
+    ("both", None, "strategy must be one of separate, concat, split-bn, recalibrate, concat-both, frozen-bn, frozen-bn-concat; got 'both'"),
     ("split-bn", None, r"'split-bn' needs per-source BatchNorm: use "
                        r"mcd_helpers.norms.per_source_batchnorm\(model\)"),
     ("concat", torch.tensor([0, 1, 2, 7]), r"labels must lie in \[0, 3\)"),

@@ -17,6 +17,7 @@ from mcd_helpers import live, pipeline  # noqa: E402
 from mcd_helpers.config import MCDConfig  # noqa: E402
 from mcd_helpers.data import DEBIAN_FMNIST_DIR  # noqa: E402
 from mcd_helpers.errors import ConfigError  # noqa: E402
+from mcd_helpers.forwards import STRATEGIES  # noqa: E402
 from mcd_helpers.train import History  # noqa: E402
 from test_pipeline import TINY  # noqa: E402
 
@@ -100,7 +101,7 @@ def test_the_widgets_button_passes_the_controls_values(monkeypatch, finetune_epo
     box, c = live.rerun_widget(cfg, "data", ("digits", "gaussian"), max_epochs=5)
     assert (c["margin"].value, c["ood"].value, c["epochs"].value, c["epochs"].max, c["retrain"].value) == (
         1.2, "digits", epochs, 5, False)
-    assert c["strategy"].options == ("separate", "concat", "split-bn", "recalibrate")
+    assert c["strategy"].options == STRATEGIES
     c["margin"].value, c["ood"].value, c["strategy"].value, c["epochs"].value, c["retrain"].value = (
         0.5, "gaussian", "split-bn", 3, True)
     c["button"].click()

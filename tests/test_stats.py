@@ -194,10 +194,10 @@ def bench_rows(far=True):
     for task, split, protocol, ood in near + ([("far-ood", "a", "transductive", o) for o in ("digits", "uniform")] if far else []):
         for seed in range(3):
             for method, strategy in [("mcd", "concat"), ("mcd", "separate"), ("msp", None)][:3 if task == "near-ood" else 2]:
-                a, f, acc = rng.uniform(0.6, 0.99), rng.uniform(0.05, 0.6), rng.uniform(0.85, 0.95)
+                a, f, acc, pi, po = rng.uniform(0.6, 0.99), rng.uniform(0.05, 0.6), *rng.uniform(0.85, 0.95, 3)
                 rows.append({"task": task, "class_split": split, "protocol": protocol, "selection": "ood-labels",
                              "method": method, "strategy": strategy, "seed": seed, "ood_dataset": ood, "norm": "batch",
-                             "auroc": a, "fpr95": f, "id_accuracy": acc})
+                             "auroc": a, "fpr95": f, "aupr_in": pi, "aupr_out": po, "id_accuracy": acc})
     return rows
 
 
@@ -217,9 +217,9 @@ def test_benchmark_tables_summary_pairs_and_pooled_pairs():
     for g in summary:
         match = {k: g[k] for k in ("class_split", "protocol", "method", "strategy")}
         assert g["fpr95"]["mean"] == pytest.approx(np.mean(values(rows, "fpr95", task="near-ood", **match)), rel=1e-12)
-    assert {(d["class_split"], d["metric"]) for d in paired} == {(s, m) for s in ("a", "b", "all")
-                                                                 for m in ("auroc", "fpr95", "id_accuracy")}
-    assert len(paired) == 3 * 2 * 3 and all((d["a"], d["b"], d["method"]) == ("concat", "separate", "mcd") for d in paired)
+    assert {(d["class_split"], d["metric"]) for d in paired} == {
+        (s, m) for s in ("a", "b", "all") for m in ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")}
+    assert len(paired) == 3 * 2 * 5 and all((d["a"], d["b"], d["method"]) == ("concat", "separate", "mcd") for d in paired)
     d = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("b", "transductive", "id_accuracy"))
     assert d["diffs"] == pytest.approx(diffs(rows, "id_accuracy", task="near-ood", class_split="b", protocol="transductive"))
     pooled = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("all", "disjoint", "auroc"))
@@ -227,7 +227,7 @@ def test_benchmark_tables_summary_pairs_and_pooled_pairs():
     assert pooled["seeds"] == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2"] and pooled["n"] == 6
     assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
     _, far_pairs = benchmark_tables(rows, "far-ood")  # one split: nothing pooled
-    assert {d["class_split"] for d in far_pairs} == {"a"} and len(far_pairs) == 2 * 3
+    assert {d["class_split"] for d in far_pairs} == {"a"} and len(far_pairs) == 2 * 5
 
 
 def test_setting_differences_pair_protocols_by_seed_and_split():
@@ -271,16 +271,16 @@ def test_summary_text_numbers_are_the_rows_means():
     near, far = text.index("## Near-OOD: held-out classes"), text.index("## Far-OOD rows (transductive)")
     assert near < far and "Class splits a, b; OOD: heldout." in text and "Class splits a; OOD: digits, uniform." in text
     m = dict(task="near-ood", class_split="b", protocol="transductive", strategy="separate")
-    want = (f"| b | transductive | MCD separate | 3 | {pct(values(rows, 'auroc', **m))} | {pct(values(rows, 'fpr95', **m))} "
-            f"| {pct(values(rows, 'id_accuracy', **m))} |")
+    want = "| b | transductive | MCD separate | 3 | " + " | ".join(
+        pct(values(rows, k, **m)) for k in ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")) + " |"
     assert want in lines and lines.index(want) < lines.index("### Paired differences")
     m = dict(task="far-ood", ood_dataset="uniform")
     want = f"| uniform | transductive | MCD concat | 3 | {pct(values(rows, strategy='concat', **m))} |"
     assert any(line.startswith(want) for line in lines[lines.index("## Far-OOD rows (transductive)"):])
     d = {k: np.r_[[diffs(rows, k, task="near-ood", class_split=s, protocol="disjoint") for s in "ab"]].ravel()
-         for k in ("auroc", "fpr95", "id_accuracy")}
-    want = (f"| all | disjoint | ood-labels | BatchNorm | concat − separate | 6 | {pct(d['auroc'], True)} | "
-            f"{pct(d['fpr95'], True)} | {pct(d['id_accuracy'], True)} | {p_by_hand(d['auroc']):.2g} |")
+         for k in ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")}
+    want = (f"| all | disjoint | ood-labels | BatchNorm | concat − separate | 6 | "
+            + " | ".join(pct(v, True) for v in d.values()) + f" | {p_by_hand(d['auroc']):.2g} |")
     assert want in lines
 
 

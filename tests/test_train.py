@@ -141,6 +141,9 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
     """One fine-tuning iteration, float64: Step A (official schedule) then Step B, each followed by an SGD
     step ``v = momentum v + (g + wd p); p -= lr v`` written out, the momentum shared by the two steps."""
     net = copy.deepcopy(model).train()
+    if strategy.startswith("frozen-bn"):  # BatchNorm normalises with its running statistics and keeps them
+        for m in net.modules():
+            m.train(not isinstance(m, nn.BatchNorm2d))
     params, bufs, parts = list(net.parameters()), {}, {}
 
     def sgd(loss):
@@ -152,11 +155,11 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
                 p -= cfg.finetune_lr * bufs[p]
 
     if cfg.schedule == "official":
-        feat = net.G(xs)
+        feat = net.G(torch.cat([xs, xu]))[:len(xs)] if strategy == "concat-both" else net.G(xs)  # labeled rows' features
         loss_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach() if detach_f2 else feat), ys)
         parts["step_a"] = loss_a.item()
         sgd(loss_a)
-    if strategy == "concat":
+    if strategy in ("concat", "concat-both", "frozen-bn-concat"):
         l1, l2 = net(torch.cat([xs, xu]))
         (l1s, l1u), (l2s, l2u) = l1.split([len(xs), len(xu)]), l2.split([len(xs), len(xu)])
     else:
@@ -169,7 +172,9 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
     return net, parts
 
 
-@pytest.mark.parametrize("strategy, schedule", [("separate", "official"), ("concat", "official"), ("separate", "step_b")])
+@pytest.mark.parametrize("strategy, schedule", [("separate", "official"), ("concat", "official"), ("separate", "step_b"),
+                                                ("concat-both", "official"), ("frozen-bn", "official"),
+                                                ("frozen-bn-concat", "official")])
 def test_one_iteration_written_out_in_float64_equals_train(strategy, schedule):
     split = _split(torch.float64)
     model = _model().double()
@@ -192,6 +197,21 @@ def test_one_iteration_written_out_in_float64_equals_train(strategy, schedule):
     if schedule == "official" and strategy == "separate":  # F2 on features that are not detached: other weights
         other, _ = _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=False)
         assert max((a - b).abs().max().item() for a, b in zip(other.parameters(), got.parameters())) > 1e-6
+
+
+def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_separate_equal():
+    split, cfg = _split(torch.float64), _cfg(finetune_epochs=1, steps_per_epoch=3)
+    nets = {s: copy.deepcopy(_model().double()) for s in ("concat", "concat-both", "frozen-bn", "frozen-bn-concat")}
+    for s, net in nets.items():
+        train(net, split, cfg, s, progress=False)
+    gap = lambda a, b: max((x - y).abs().max().item() for x, y in zip(nets[a].state_dict().values(),  # noqa: E731
+                                                                       nets[b].state_dict().values()) if x.is_floating_point())
+    assert gap("concat", "concat-both") > 1e-4  # Step A's statistics changed the weights
+    assert gap("frozen-bn", "frozen-bn-concat") < 1e-12  # no coupling: the same network to float64 rounding
+    assert gap("frozen-bn", "concat") > 1e-4
+    bns = lambda net: [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]  # noqa: E731
+    assert bns(nets["concat"]) and all(torch.equal(a.running_mean, b.running_mean)  # frozen: the statistics kept
+                                       for a, b in zip(bns(_model().double()), bns(nets["frozen-bn"])))
 
 
 # ---- learning rate, history, model selection -------------------------------------------------------
