@@ -56,6 +56,7 @@ class BenchmarkPreset:
     far_strategies: tuple[str, ...] = ("separate", "concat")
     recalibrated: bool = False  # also evaluate each BatchNorm network with recalibrated statistics (eval_stats)
     endpoints: tuple[tuple[str, str, str, str], ...] = ()  # (a, b, metric, eval_stats): the primary, then secondaries
+    doses: tuple[tuple[str, tuple], ...] = ()  # (MCDConfig field, values): near-OOD cells per value (dose-response)
     seeds: int = 5
     max_seeds: int = 10
     about: str = ""
@@ -64,6 +65,8 @@ class BenchmarkPreset:
 _FINETUNE = dict(pretrain_epochs=2, pretrain_milestones=(1,), finetune_epochs=2, finetune_lr=0.005, batch_size_sup=64,
                  batch_size_unsup=64, unlabeled_ood="photo_crops", channels_last=True)
 _ODIN = dict(odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.0014, 0.004))
+# split a, disjoint: 6,400 unlabeled images (4,440 held-out ID + 1,960 OOD)
+_PRIMARY = MCDConfig(train_subset=30_000, n_val=500, n_holdout=4440, ood_size=5000, steps_per_epoch=100, **_FINETUNE, **_ODIN)
 BENCHMARK_PRESETS = {
     # CPU, at most 20 minutes on 2 cores from an empty cache: split a, 3 protocols x 4 strategies + the GroupNorm
     # reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25 fine-tuning steps of 64 + 64.
@@ -84,13 +87,19 @@ BENCHMARK_PRESETS = {
     # family, Holm): concat-both against both, concat - separate with recalibrated statistics and in FPR95, and
     # separate - frozen-bn (frozen-bn-concat - frozen-bn is the no-coupling check: 0 to float rounding).
     "primary": BenchmarkPreset(
-        MCDConfig(train_subset=30_000, n_val=500, n_holdout=4440, ood_size=5000, steps_per_epoch=100, **_FINETUNE, **_ODIN),
-        class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",), reference=(), recalibrated=True,
+        _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",), reference=(), recalibrated=True,
         strategies=("separate", "concat", "concat-both", "frozen-bn", "frozen-bn-concat"), seeds=20, max_seeds=40,
         endpoints=(("concat", "separate", "auroc", "running"), ("concat-both", "separate", "auroc", "running"),
                    ("concat-both", "concat", "auroc", "running"), ("concat", "separate", "auroc", "recalibrated"),
                    ("concat", "separate", "fpr95", "running"), ("separate", "frozen-bn", "auroc", "running")),
         about="the primary endpoint: split a, disjoint, last epoch, 5 arms, recalibrated statistics, 20 seeds; CPU"),
+    # Dose-response in fine-tuning length: the primary's setting at 1, 2, 4, 8, 16 epochs of 30 iterations (30 to 480
+    # iterations: 0.3 to 4.8 draws of each unlabeled image), concat and separate, 10 seeds.
+    "dose-length": BenchmarkPreset(
+        dataclasses.replace(_PRIMARY, steps_per_epoch=30), class_splits=("a",), protocols=("disjoint",),
+        selections=("last-epoch",), strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
+        doses=(("finetune_epochs", (1, 2, 4, 8, 16)),),
+        about="concat - separate against fine-tuning length (30 to 480 iterations), split a, disjoint, 10 seeds; CPU"),
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,
                   pretrain_epochs=1, pretrain_milestones=(), pretrain_batch_size=64, steps_per_epoch=4,
@@ -107,10 +116,12 @@ class Cell:
     task: str  # near-ood | far-ood
     ood: str  # "heldout" (the held-out classes) or a far OOD set
     protocol: str
+    dose: tuple = ()  # (MCDConfig field, value) of a dose-response cell
 
     @property
     def name(self) -> str:
-        return f"{self.task}_{self.class_split.replace('/', '-')}_{self.ood}_{self.protocol}_seed{self.seed}"
+        dose = "_{}-{}".format(*self.dose) if self.dose else ""
+        return f"{self.task}_{self.class_split.replace('/', '-')}_{self.ood}_{self.protocol}{dose}_seed{self.seed}"
 
 
 def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, protocols=None, strategies=None,
@@ -150,16 +161,17 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
 
 
 def cells_of(p: BenchmarkPreset) -> list[Cell]:
-    """Every cell in run order: seed, class split, near-OOD protocols, then the far rows (first split only)."""
-    near = [("near-ood", HELD_OUT, protocol) for protocol in p.protocols]
-    far = [("far-ood", ood, "transductive") for ood in p.far_ood_sets] if "transductive" in p.protocols else []
-    return [Cell(seed, split, task, ood, protocol) for seed in range(p.seeds) for split in p.class_splits
-            for task, ood, protocol in near + (far if split == p.class_splits[0] else [])]
+    """Every cell in run order: seed, class split, near-OOD protocols (each dose), then the far rows (first split only)."""
+    doses = [(field, v) for field, values in p.doses for v in values] or [()]
+    near = [("near-ood", HELD_OUT, protocol, dose) for protocol in p.protocols for dose in doses]
+    far = [("far-ood", ood, "transductive", ()) for ood in p.far_ood_sets] if "transductive" in p.protocols else []
+    return [Cell(seed, split, *c) for seed in range(p.seeds) for split in p.class_splits
+            for c in near + (far if split == p.class_splits[0] else [])]
 
 
 def _cell_config(p: BenchmarkPreset, cell: Cell, **more) -> MCDConfig:
     return dataclasses.replace(p.config, class_split=cell.class_split, protocol=cell.protocol, seed=cell.seed,
-                               ood_sets=(cell.ood,), **more)
+                               ood_sets=(cell.ood,), **dict([cell.dose] if cell.dose else []), **more)
 
 
 def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progress: bool, resume: bool) -> list[dict]:
@@ -178,7 +190,8 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
             # the metrics' dtype (float32), compressed: float16 moved the toy run's AUROC by up to 0.14 (small scores)
             write_buffered(out / rel, lambda f: np.savez_compressed(f, id=s_id.numpy(), ood=s_ood.numpy()))
             # the pipeline's row (settings, metrics, ODIN's T and epsilon, MCD's selected epoch) and the cell's
-            rows.append({"task": cell.task, **r, "norm": norm, "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood)})
+            rows.append({"task": cell.task, **r, "norm": norm, "dose": "{}={}".format(*cell.dose) if cell.dose else "",
+                         "scores": rel, "n_id": len(s_id), "n_ood": len(s_ood)})
     return rows
 
 

@@ -16,7 +16,7 @@ from .metrics import METRIC_KEYS
 from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
 from .stats import GROUP_KEYS, endpoint_tests, paired_differences, summarize
 
-KEYS = GROUP_KEYS + ("ood_dataset", "norm")  # a benchmark group: task, split, protocol, selection, method, OOD, network
+KEYS = GROUP_KEYS + ("ood_dataset", "norm", "dose")  # a group: task, split, protocol, selection, method, OOD, network, dose
 RECAL = " (recalibrated)"  # a strategy evaluated with recalibrated statistics (eval_stats) is its own arm here
 COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"), ("concat-both", "separate"),
                ("concat" + RECAL, "separate" + RECAL), ("separate", "frozen-bn"), ("frozen-bn-concat", "frozen-bn"))
@@ -36,9 +36,10 @@ def _ci(ci: dict, signed: bool = False) -> str:
 
 def arms(rows: Sequence[dict]) -> list[dict]:
     """The rows with a row evaluated with recalibrated statistics renamed to strategy ``"<strategy> (recalibrated)"``
-    (strategy ``recalibrate`` keeps its name), so that the tables group and pair it as an arm of its own."""
-    return [{**r, "strategy": r["strategy"] + RECAL} if r.get("eval_stats") == "recalibrated" and r["strategy"] !=
-            "recalibrate" else r for r in rows]
+    (strategy ``recalibrate`` keeps its name), so that the tables group and pair it as an arm of its own; rows
+    written before doses existed get ``dose = ""``."""
+    return [{"dose": "", **r, "strategy": r["strategy"] + RECAL} if r.get("eval_stats") == "recalibrated" and r["strategy"]
+            != "recalibrate" else {"dose": "", **r} for r in rows]
 
 
 def method_label(g: dict) -> str:
@@ -131,8 +132,10 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
         if not summary:  # no rows of this task
             continue
         splits, oods = sorted({g["class_split"] for g in summary}), sorted({g["ood_dataset"] for g in summary})
-        cols = [k for k, many in (("class_split", len(splits) > 1), ("ood_dataset", len(oods) > 1)) if many]
-        names = [{"class_split": "split", "ood_dataset": "OOD"}[k] for k in cols]
+        doses = {g["dose"] for g in summary}
+        cols = [k for k, many in (("class_split", len(splits) > 1), ("ood_dataset", len(oods) > 1), ("dose", len(doses) > 1))
+                if many]
+        names = [{"class_split": "split", "ood_dataset": "OOD", "dose": "dose"}[k] for k in cols]
         parts += ["", f"## {heading}", "", f"Class splits {', '.join(splits)}; OOD: {', '.join(oods)}.", ""]
         for selection in dict.fromkeys(g["selection"] for g in summary):
             lines = [[g[k] for k in cols] + [g["protocol"], method_label(g), g["n"], *(_ci(g[m]) for m in METRICS)]

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import numpy as np
 from scipy import stats
+from statsmodels.stats.multitest import multipletests
 
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
 
@@ -93,26 +94,14 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
     return out
 
 
-def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values, in the order given: the i-th smallest p becomes
-    ``max over j <= i of min(1, (m - j + 1) p_(j))`` (Holm 1979, Scand. J. Statist. 6:65-70)."""
-    p = np.asarray(p_values, dtype=np.float64)
-    if (p.size and not np.all((p >= 0) & (p <= 1))) or np.isnan(p).any():
-        raise ValueError(f"p-values must lie in [0, 1], got {p.tolist()}.")
-    order = np.argsort(p, kind="stable")
-    adjusted = np.maximum.accumulate(np.minimum(1.0, (p.size - np.arange(p.size)) * p[order]))
-    out = np.empty_like(p)
-    out[order] = adjusted
-    return out.tolist()
-
-
 def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], confidence: float = 0.95) -> list[dict]:
     """The pre-registered endpoints of a benchmark: for each ``(a, b, metric, eval_stats)`` the paired
     differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``), one group per
     :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role`` (``"primary"`` for the first
     endpoint, else ``"secondary"``), ``eval_stats``, ``sign_p`` (the exact two-sided sign test over the
     non-zero differences, ``scipy.stats.binomtest``; NaN when all are 0) and ``holm_p`` (the paired t
-    p-value, Holm-adjusted over the secondary endpoints as one family; the primary's unadjusted).
+    p-value, Holm-adjusted over the secondary endpoints as one family, ``statsmodels``' ``multipletests``
+    (Holm 1979, Scand. J. Statist. 6:65-70); the primary's unadjusted).
 
     Raises:
         ValueError: an endpoint with no pairs in ``rows`` (named), and as :func:`paired_differences`.
@@ -130,8 +119,9 @@ def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], con
             out.append({**d, "role": "secondary" if i else "primary", "eval_stats": eval_stats, "sign_p": float(sign)})
     second = [d for d in out if d["role"] == "secondary"]
     # a t-test p of NaN (every difference equal): 1 when they are all 0, else 0 (a constant non-zero shift)
-    for d, p in zip(second, holm([float(d["mean"] == 0) if math.isnan(d["p_value"]) else d["p_value"] for d in second])):
-        d["holm_p"] = p
+    p = [float(d["mean"] == 0) if math.isnan(d["p_value"]) else d["p_value"] for d in second]
+    for d, adjusted in zip(second, multipletests(p, method="holm")[1] if p else []):
+        d["holm_p"] = float(adjusted)
     for d in out:
         d.setdefault("holm_p", d["p_value"])
     return out

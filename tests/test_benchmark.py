@@ -25,7 +25,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
 
 
 @pytest.mark.parametrize("kwargs, field, match", [
-    (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, primary, "
+    (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, primary, dose-length, "
                                      r"near-ood-tiny\."),
     (dict(seeds=1), "seeds", r"seeds must be an integer in \[2, 5\] for 'near-ood-quick', got 1\."),
     (dict(seeds=6), "seeds", r"\[2, 5\] for 'near-ood-quick', got 6\."),
@@ -204,3 +204,31 @@ def test_every_arm_has_running_and_recalibrated_rows_and_frozen_batchnorm_makes_
     assert "## Pre-registered endpoints" in summary and "| primary | concat − separate | AUROC | running | 3 |" in summary
     assert "MCD concat (recalibrated)" in summary
     assert json.loads((out / "config.json").read_text())["code_version"] == bm.code_version()
+
+
+def test_a_dose_response_preset_has_a_cell_per_seed_and_dose_each_with_its_setting():
+    p = check_benchmark("dose-length", seeds=2)
+    cells = cells_of(p)
+    assert [(c.seed, c.dose) for c in cells] == [(s, ("finetune_epochs", e)) for s in range(2) for e in (1, 2, 4, 8, 16)]
+    assert cells[3].name == "near-ood_a_heldout_disjoint_finetune_epochs-8_seed0"
+    cfg = bm._cell_config(p, cells[3])
+    assert (cfg.finetune_epochs, cfg.steps_per_epoch, cfg.seed, cfg.protocol) == (8, 30, 0, "disjoint")
+    assert bm._cell_config(p, cells[0]).finetune_epochs * 30 == 30 and all(c.task == "near-ood" for c in cells)
+    assert cells_of(check_benchmark(TINY, seeds=2))[0].dose == ()
+
+
+@needs_fmnist
+@pytest.mark.slow
+def test_a_dose_response_run_trains_each_length_and_pairs_the_strategies_per_dose(tmp_path, monkeypatch):
+    monkeypatch.setenv("MCD_DATA_DIR", str(tmp_path / "cache"))
+    p = dataclasses.replace(BENCHMARK_PRESETS["dose-length"], config=BENCHMARK_PRESETS[TINY].config,
+                            doses=(("finetune_epochs", (1, 3)),))
+    monkeypatch.setitem(BENCHMARK_PRESETS, "x", p)
+    rows = run_benchmark("x", tmp_path / "out", seeds=2, progress=False, quiet=True)
+    mcd = {(r["dose"], r["strategy"], r["seed"]): r for r in rows if r["method"] == "mcd"}
+    assert set(mcd) == {(f"finetune_epochs={e}", s, seed) for e in (1, 3) for s in ("separate", "concat") for seed in (0, 1)}
+    assert all(r["finetune_steps"] == 4 * int(d[-1]) for (d, _, _), r in mcd.items())  # 4 steps an epoch
+    base = {(r["dose"], r["seed"]): r["auroc"] for r in rows if r["method"] == "msp"}
+    assert all(base["finetune_epochs=1", s] == base["finetune_epochs=3", s] for s in (0, 1))  # one pre-trained network
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| finetune_epochs=3 | disjoint | last-epoch | BatchNorm | concat − separate | 2 |" in summary

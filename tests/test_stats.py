@@ -9,7 +9,7 @@ from scipy import stats as st
 
 from mcd_helpers.report import (benchmark_tables, markdown_table, method_label, pivot_markdown, pooled_summary, results_markdown, setting_differences, summary_text,
                                 write_report)
-from mcd_helpers.stats import mean_ci, paired_differences, summarize
+from mcd_helpers.stats import endpoint_tests, mean_ci, paired_differences, summarize
 
 matplotlib.use("Agg")
 
@@ -322,3 +322,50 @@ def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
     mean, half, p = result[("a", "disjoint")]
     assert mean - half > 0 and round(half, 2) == 2.39 and round(p, 3) == 0.012
     assert all(abs(result[(s, pr)][0]) < result[(s, pr)][1] for s in "bc" for pr in ("transductive", "disjoint"))
+
+
+# ---- pre-registered endpoints -------------------------------------------------------------------------
+
+def holm(p):
+    """Holm's step-down adjustment written out: the i-th smallest p times (m - i), kept monotone, capped at 1."""
+    order, out, running = sorted(range(len(p)), key=lambda i: p[i]), [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_the_hand_holm_on_a_worked_example():
+    # p sorted: 0.01 (x4 = 0.04), 0.02 (x3 = 0.06), 0.03 (x2 = 0.06), 0.5 (x1); in the order given
+    assert holm([0.03, 0.5, 0.01, 0.02]) == pytest.approx([0.06, 0.5, 0.04, 0.06], abs=1e-15)
+    assert holm([0.4, 0.3]) == pytest.approx([0.6, 0.6], abs=1e-15)  # 0.3 x 2 = 0.6; 0.4 x 1 = 0.4, raised to 0.6 (monotone)
+
+
+def _sign_p_by_hand(k, n):
+    """Exact two-sided sign test: 2 min(P(X <= k), P(X >= k)) for X ~ Binomial(n, 1/2), at most 1."""
+    lower, upper = (sum(math.comb(n, i) for i in rng) / 2 ** n for rng in (range(k + 1), range(k, n + 1)))
+    return min(1.0, 2 * min(lower, upper))
+
+
+def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
+    rng, rows = np.random.RandomState(0), []
+    base = dict(task="near-ood", class_split="a", protocol="disjoint", selection="last-epoch", method="mcd", norm="batch")
+    for seed in range(8):
+        for s, shift in (("separate", 0.0), ("concat", 0.02), ("frozen-bn", 0.0)):
+            for stats_, extra in (("running", 0.0), ("recalibrated", -0.01)):
+                rows.append({**base, "strategy": s, "seed": seed, "eval_stats": stats_,
+                             "auroc": 0.8 + shift + extra + rng.normal(0, 0.01), "fpr95": 0.3 + rng.normal(0, 0.02)})
+    rows.append({**base, "method": "msp", "strategy": None, "seed": 0, "eval_stats": "running", "auroc": 0.7})  # ignored
+    ends = [("concat", "separate", "auroc", "running"), ("concat", "separate", "auroc", "recalibrated"),
+            ("concat", "separate", "fpr95", "running"), ("separate", "frozen-bn", "auroc", "running")]
+    out = endpoint_tests(rows, ends)
+    assert [d["role"] for d in out] == ["primary"] + ["secondary"] * 3
+    for d, (a, b, metric, stats_) in zip(out, ends):
+        xa, xb = ([r[metric] for r in rows if r["strategy"] == s and r["eval_stats"] == stats_] for s in (a, b))
+        diffs = np.subtract(xa, xb)
+        assert d["diffs"] == pytest.approx(diffs, abs=1e-15) and d["p_value"] == pytest.approx(p_by_hand(diffs), rel=1e-9)
+        assert d["sign_p"] == pytest.approx(_sign_p_by_hand(int((diffs > 0).sum()), len(diffs)), rel=1e-12)
+    assert out[0]["holm_p"] == out[0]["p_value"]
+    assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([d["p_value"] for d in out[1:]]), rel=1e-12)
+    with pytest.raises(ValueError, match=r"endpoint concat-both - separate \(auroc, running statistics\) has no paired rows"):
+        endpoint_tests(rows, [("concat-both", "separate", "auroc", "running")])
