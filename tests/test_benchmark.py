@@ -26,6 +26,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
 
 @pytest.mark.parametrize("kwargs, field, match", [
     (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, primary, dose-length, "
+                                     r"dose-margin, "
                                      r"near-ood-tiny\."),
     (dict(seeds=1), "seeds", r"seeds must be an integer in \[2, 5\] for 'near-ood-quick', got 1\."),
     (dict(seeds=6), "seeds", r"\[2, 5\] for 'near-ood-quick', got 6\."),
@@ -232,3 +233,22 @@ def test_a_dose_response_run_trains_each_length_and_pairs_the_strategies_per_dos
     assert all(base["finetune_epochs=1", s] == base["finetune_epochs=3", s] for s in (0, 1))  # one pre-trained network
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| finetune_epochs=3 | disjoint | last-epoch | BatchNorm | concat − separate | 2 |" in summary
+
+
+@needs_fmnist
+def test_the_primary_pool_is_6400_unlabeled_images_38_percent_ood_each_drawn_twice():
+    import torch
+
+    from mcd_helpers.pipeline import load_data, make_split
+    from mcd_helpers.splits import class_split
+
+    p = BENCHMARK_PRESETS["primary"]
+    cell = cells_of(p)[0]
+    cfg = bm._cell_config(p, cell)
+    data = load_data(cfg)
+    split = make_split(cfg, data, cell.ood)
+    held_out = data.x_train[torch.isin(data.y_train, torch.tensor(class_split("a")[1]))]
+    ood = {bytes(r) for r in held_out.flatten(1).numpy()}
+    n_ood = sum(bytes(r) in ood for r in split.x_unsup.flatten(1).numpy())
+    assert (len(split.x_unsup), n_ood) == (6400, 2460)  # 3,940 ID + 2,460 OOD (docs/near-ood.md)
+    assert cfg.finetune_epochs * cfg.steps_per_epoch * cfg.batch_size_unsup == 2 * 6400

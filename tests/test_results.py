@@ -67,3 +67,21 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert sum(v["separate", "running", i]["auroc"] < 0.73 for i in seeds) == 3
     assert diff("concat", "separate", metric="id_accuracy")[:2] == (0.13, 0.23)
     assert round(stats.binomtest(20, 20).pvalue, 7) == 1.9e-6
+
+
+def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
+    # docs/near-ood.md, "Dose-response in fine-tuning length": recomputed from the committed rows
+    from scipy import stats
+
+    rows = json.loads((RESULTS / "dose-length" / "results.json").read_text())
+    v = {(r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
+    table = {}
+    for steps in (30, 60, 120, 240, 480):
+        d = 100 * np.array([v[steps, "concat", s] - v[steps, "separate", s] for s in range(10)])
+        half = stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10)
+        table[steps] = (round(d.mean(), 2), round(half, 2), int((d > 0).sum()))
+    assert table == {30: (1.71, 1.55, 9), 60: (4.63, 1.22, 10), 120: (4.75, 2.48, 10), 240: (6.98, 2.49, 10),
+                     480: (11.65, 7.39, 10)}
+    arm = lambda steps, s: round(100 * np.mean([v[steps, s, i] for i in range(10)]), 2)  # noqa: E731
+    assert [arm(n, "separate") for n in (120, 480)] == [85.46, 80.92]  # separate peaks, then degrades
+    assert [arm(n, "concat") for n in (30, 60, 120, 240, 480)] == sorted(arm(n, "concat") for n in (30, 60, 120, 240, 480))
