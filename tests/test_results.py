@@ -85,3 +85,21 @@ def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
     arm = lambda steps, s: round(100 * np.mean([v[steps, s, i] for i in range(10)]), 2)  # noqa: E731
     assert [arm(n, "separate") for n in (120, 480)] == [85.46, 80.92]  # separate peaks, then degrades
     assert [arm(n, "concat") for n in (30, 60, 120, 240, 480)] == sorted(arm(n, "concat") for n in (30, 60, 120, 240, 480))
+
+
+def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_same_network():
+    # docs/near-ood.md, "Dose-response in the margin"
+    from scipy import stats
+
+    rows = json.loads((RESULTS / "dose-margin" / "results.json").read_text())
+    v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"]
+         for r in rows if r["method"] == "mcd"}
+    table = {}
+    for m in ("0.35", "0.7", "1.2", "2.0"):
+        d = 100 * np.array([v[f"margin={m}", "concat", s] - v[f"margin={m}", "separate", s] for s in range(10)])
+        table[m] = (round(d.mean(), 2), round(stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10), 2), int((d > 0).sum()))
+    assert table == {"0.35": (2.89, 2.02, 9), "0.7": (5.92, 2.45, 10), "1.2": (7.29, 5.16, 10), "2.0": (7.29, 5.16, 10)}
+    assert all(v["margin=1.2", s, i] == v["margin=2.0", s, i] for s in ("concat", "separate") for i in range(10))
+    primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
+               if r["method"] == "mcd" and r["eval_stats"] == "running"}
+    assert all(v["margin=1.2", s, i] == primary[s, i] for s in ("concat", "separate") for i in range(10))
