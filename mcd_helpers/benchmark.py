@@ -160,10 +160,15 @@ def check_benchmark(preset: str, seeds: int | None = None, class_splits=None, pr
     if not splits or len(set(classes)) < len(classes):
         raise ConfigError("class_splits", f"class splits {list(splits)}: give one or more, each once under one name.")
     chosen = subset("strategies", strategies, STRATEGIES)
-    return dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, PROTOCOLS),
-                               strategies=chosen, selections=subset("selections", selections, SELECTIONS),
-                               reference=tuple(s for s in p.reference if strategies is None or s in chosen),
-                               far_strategies=tuple(s for s in p.far_strategies if strategies is None or s in chosen))
+    q = dataclasses.replace(p, seeds=n, class_splits=splits, protocols=subset("protocols", protocols, PROTOCOLS),
+                            strategies=chosen, selections=subset("selections", selections, SELECTIONS),
+                            reference=tuple(s for s in p.reference if strategies is None or s in chosen),
+                            far_strategies=tuple(s for s in p.far_strategies if strategies is None or s in chosen))
+    # the endpoints are tested only on the grid they were registered for: those whose arms still run, and none
+    # when the primary's arms are gone or the class splits, protocols or selections changed
+    ends = tuple(e for e in p.endpoints if {e[0], e[1]} <= set(chosen))
+    same = (q.class_splits, q.protocols, q.selections) == (p.class_splits, p.protocols, p.selections)
+    return dataclasses.replace(q, endpoints=ends if same and ends[:1] == p.endpoints[:1] else ())
 
 
 def cells_of(p: BenchmarkPreset) -> list[Cell]:
@@ -254,7 +259,8 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
             rows += cell_rows
         seconds = round(time.time() - t0, 1)
-        write_report(rows, out, title=f"Benchmark {preset}: {p.about}", seconds=seconds, endpoints=p.endpoints)  # then results.json, the last
+        narrowed = "" if p == dataclasses.replace(check_benchmark(preset), config=p.config) else " (narrowed by the command line: config.json has the grid)"
+        write_report(rows, out, f"Benchmark {preset}: {p.about}{narrowed}", seconds, p.endpoints)  # then results.json, the last
         write_json(out / "config.json", settings)
         write_json(out / "results.json", rows)
         info.update(seconds=seconds, cells=len(cells), rows=len(rows))

@@ -100,8 +100,9 @@ def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], con
     :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role`` (``"primary"`` for the first
     endpoint, else ``"secondary"``), ``eval_stats``, ``sign_p`` (the exact two-sided sign test over the
     non-zero differences, ``scipy.stats.binomtest``; NaN when all are 0) and ``holm_p`` (the paired t
-    p-value, Holm-adjusted over the secondary endpoints as one family, ``statsmodels``' ``multipletests``
-    (Holm 1979, Scand. J. Statist. 6:65-70); the primary's unadjusted).
+    p-value, or the sign test's where every difference is equal, Holm-adjusted over the secondaries as
+    one family, ``statsmodels``' ``multipletests`` (Holm 1979, Scand. J. Statist. 6:65-70); the
+    primary's unadjusted).
 
     Raises:
         ValueError: an endpoint with no pairs in ``rows`` (named), and as :func:`paired_differences`.
@@ -118,8 +119,8 @@ def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], con
             sign = stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue if nonzero else float("nan")
             out.append({**d, "role": "secondary" if i else "primary", "eval_stats": eval_stats, "sign_p": float(sign)})
     second = [d for d in out if d["role"] == "secondary"]
-    # a t-test p of NaN (every difference equal): 1 when they are all 0, else 0 (a constant non-zero shift)
-    p = [float(d["mean"] == 0) if math.isnan(d["p_value"]) else d["p_value"] for d in second]
+    # a t-test p of NaN (every difference equal): the exact sign test's p instead (1 when they are all 0)
+    p = [(1.0 if math.isnan(d["sign_p"]) else d["sign_p"]) if math.isnan(d["p_value"]) else d["p_value"] for d in second]
     for d, adjusted in zip(second, multipletests(p, method="holm")[1] if p else []):
         d["holm_p"] = float(adjusted)
     for d in out:

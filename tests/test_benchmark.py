@@ -233,6 +233,7 @@ def test_a_dose_response_run_trains_each_length_and_pairs_the_strategies_per_dos
     assert all(base["finetune_epochs=1", s] == base["finetune_epochs=3", s] for s in (0, 1))  # one pre-trained network
     summary = (tmp_path / "out" / "summary.md").read_text()
     assert "| finetune_epochs=3 | disjoint | last-epoch | BatchNorm | concat − separate | 2 |" in summary
+    assert summary.splitlines()[0].endswith("(narrowed by the command line: config.json has the grid)")  # 2 of 10 seeds
 
 
 @needs_fmnist
@@ -252,3 +253,14 @@ def test_the_primary_pool_is_6400_unlabeled_images_38_percent_ood_each_drawn_twi
     n_ood = sum(bytes(r) in ood for r in split.x_unsup.flatten(1).numpy())
     assert (len(split.x_unsup), n_ood) == (6400, 2460)  # 3,940 ID + 2,460 OOD (docs/near-ood.md)
     assert cfg.finetune_epochs * cfg.steps_per_epoch * cfg.batch_size_unsup == 2 * 6400
+
+
+def test_endpoints_are_kept_only_on_the_grid_they_were_registered_for():
+    ends = BENCHMARK_PRESETS["primary"].endpoints
+    assert check_benchmark("primary", seeds=2).endpoints == ends  # fewer seeds: the same design
+    two = check_benchmark("primary", strategies=["concat", "separate"]).endpoints
+    assert two == tuple(e for e in ends if {e[0], e[1]} == {"concat", "separate"}) and two[0] == ends[0]
+    assert check_benchmark("primary", strategies=["concat-both", "separate"]).endpoints == ()  # the primary's arm gone
+    assert check_benchmark("primary", protocols=["transductive"]).endpoints == ()
+    assert check_benchmark("primary", selections=["ood-labels"]).endpoints == ()
+    assert check_benchmark("primary", class_splits=["b"]).endpoints == ()

@@ -369,3 +369,15 @@ def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
     assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([d["p_value"] for d in out[1:]]), rel=1e-12)
     with pytest.raises(ValueError, match=r"endpoint concat-both - separate \(auroc, running statistics\) has no paired rows"):
         endpoint_tests(rows, [("concat-both", "separate", "auroc", "running")])
+
+
+def test_an_endpoint_of_equal_differences_takes_the_sign_tests_p_into_holm():
+    base = dict(task="near-ood", class_split="a", protocol="disjoint", selection="last-epoch", method="mcd", norm="batch",
+                eval_stats="running")
+    rows = [{**base, "strategy": s, "seed": i, "auroc": 0.8 + (0.01 if s == "concat" else 0.0) + 0.001 * i, "fpr95": 0.3}
+            for s in ("concat", "separate") for i in range(2)]
+    out = endpoint_tests(rows, [("concat", "separate", "auroc", "running"), ("concat", "separate", "fpr95", "running"),
+                                ("concat", "separate", "auroc", "running")])
+    assert math.isnan(out[1]["p_value"]) and math.isnan(out[1]["sign_p"])  # all fpr95 differences 0
+    assert out[2]["sign_p"] == 0.5 and out[2]["diffs"] == pytest.approx([0.01, 0.01])  # 2 of 2 positive: p = 2 / 4
+    assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([1.0, 0.5]))  # not 0: the sign test's p
