@@ -259,7 +259,7 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
             rows += cell_rows
         seconds = round(time.time() - t0, 1)
-        narrowed = "" if p == dataclasses.replace(check_benchmark(preset), config=p.config) else " (narrowed by the command line: config.json has the grid)"
+        narrowed = "" if p == dataclasses.replace(BENCHMARK_PRESETS[preset], config=p.config) else " (narrowed by the command line: config.json has the grid)"
         write_report(rows, out, f"Benchmark {preset}: {p.about}{narrowed}", seconds, p.endpoints)  # then results.json, the last
         write_json(out / "config.json", settings)
         write_json(out / "results.json", rows)
