@@ -35,7 +35,7 @@ from .errors import ConfigError
 from .files import write_buffered, write_json
 from .forwards import STRATEGIES
 from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
-from .report import write_report
+from .report import recalibrated_copy, write_report
 from .run import check_device, check_split, output_folder
 from .splits import PROTOCOLS, class_split
 
@@ -80,7 +80,6 @@ BENCHMARK_PRESETS = {
         MCDConfig(train_subset=30_000, n_val=500, n_holdout=4500, ood_size=5000, steps_per_epoch=30, **_FINETUNE, **_ODIN),
         class_splits=("a", "b", "c"), reference=("separate", "concat"), far_ood_sets=("digits", "photo_crops", "gaussian"),
         about="splits a, b, c, every protocol, strategy and method, far rows, 5 seeds; CPU, about an hour"),
-    # The test suite's: the whole grid at toy size (a minute or two).
     # The pre-registered primary endpoint (README, "The reference answer"): split a, disjoint, last epoch, AUROC of
     # MCD concat - separate with the running statistics, paired over 20 seeds (t-test, 95% CI, exact sign test).
     # 6,400 unlabeled images, 2 x 100 steps of 64 + 64: every unlabeled image drawn exactly twice. Secondaries (one
@@ -106,6 +105,7 @@ BENCHMARK_PRESETS = {
         _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
         strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40, doses=(("margin", (0.35, 0.7, 1.2, 2.0)),),
         about="concat - separate against the margin (0.35 to 2.0 nats), split a, disjoint, 10 seeds; CPU"),
+    # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,
                   pretrain_epochs=1, pretrain_milestones=(), pretrain_batch_size=64, steps_per_epoch=4,
@@ -196,7 +196,7 @@ def _run_cell(p: BenchmarkPreset, cell: Cell, data, out: Path, retrained, progre
         res = run_ood_set(_cell_config(p, cell, norm=norm, strategies=tuple(strategies)), data, cell.ood, p.selections,
                           methods, retrained, progress, None, None, out / "checkpoints" / stem, resume, p.recalibrated)
         for r, (s_id, s_ood) in zip(res.rows, res.row_scores):
-            stats = r["eval_stats"] if r["eval_stats"] == "recalibrated" and r["strategy"] != "recalibrate" else ""
+            stats = "recalibrated" if recalibrated_copy(r) else ""
             rel = "scores/" + "_".join(filter(None, (stem, r["selection"], r["method"], r["strategy"], stats))) + ".npz"
             # the metrics' dtype (float32), compressed: float16 moved the toy run's AUROC by up to 0.14 (small scores)
             write_buffered(out / rel, lambda f: np.savez_compressed(f, id=s_id.numpy(), ood=s_ood.numpy()))
@@ -259,8 +259,9 @@ def run_benchmark(preset: str, out_dir: Path, seeds: int | None = None, class_sp
             log(f"{cell.name}: {len(cell_rows)} rows in {time.time() - c0:.0f} s")
             rows += cell_rows
         seconds = round(time.time() - t0, 1)
-        narrowed = "" if p == dataclasses.replace(BENCHMARK_PRESETS[preset], config=p.config) else " (narrowed by the command line: config.json has the grid)"
-        write_report(rows, out, f"Benchmark {preset}: {p.about}{narrowed}", seconds, p.endpoints)  # then results.json, the last
+        narrowed = p != dataclasses.replace(BENCHMARK_PRESETS[preset], config=p.config)
+        title = f"Benchmark {preset}: {p.about}" + (" (narrowed by the command line: config.json has the grid)" if narrowed else "")
+        write_report(rows, out, title, seconds, p.endpoints)  # then results.json, the last
         write_json(out / "config.json", settings)
         write_json(out / "results.json", rows)
         info.update(seconds=seconds, cells=len(cells), rows=len(rows))

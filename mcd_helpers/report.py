@@ -34,12 +34,15 @@ def _ci(ci: dict, signed: bool = False) -> str:
     return f"{100 * ci['mean']:{'+' if signed else ''}.2f} ± {100 * ci['half_width']:.2f}"
 
 
+def recalibrated_copy(row: dict) -> bool:
+    """Whether ``row`` is a strategy's network evaluated again with recalibrated statistics (not strategy ``recalibrate``)."""
+    return row.get("eval_stats") == "recalibrated" and row["strategy"] != "recalibrate"
+
+
 def arms(rows: Sequence[dict]) -> list[dict]:
-    """The rows with a row evaluated with recalibrated statistics renamed to strategy ``"<strategy> (recalibrated)"``
-    (strategy ``recalibrate`` keeps its name), so that the tables group and pair it as an arm of its own; rows
-    written before doses existed get ``dose = ""``."""
-    return [{"dose": "", **r, "strategy": r["strategy"] + RECAL} if r.get("eval_stats") == "recalibrated" and r["strategy"]
-            != "recalibrate" else {"dose": "", **r} for r in rows]
+    """The rows with each :func:`recalibrated_copy` renamed to strategy ``"<strategy> (recalibrated)"``, so that the
+    tables group and pair it as an arm of its own; rows written before doses existed get ``dose = ""``."""
+    return [{"dose": "", **r, "strategy": r["strategy"] + RECAL} if recalibrated_copy(r) else {"dose": "", **r} for r in rows]
 
 
 def method_label(g: dict) -> str:

@@ -34,9 +34,9 @@ from . import ddp
 from .errors import ConfigError, TrainingInterrupted
 from .files import load_state, save_state
 from .forwards import check_strategy, step_a_loss, step_b_loss
-from .norms import freeze_bn
 from .losses import discrepancy_score, supervised_loss
 from .metrics import ood_metrics
+from .norms import freeze_bn
 
 PRETRAIN, LABELED, UNLABELED = 0, 1, 2  # the streams of a run's data order
 
