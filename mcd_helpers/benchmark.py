@@ -37,7 +37,7 @@ from .forwards import STRATEGIES
 from .pipeline import METHODS, cache_key, load_data, make_split, run_ood_set
 from .report import recalibrated_copy, write_report
 from .run import check_device, check_split, output_folder
-from .splits import PROTOCOLS, class_split
+from .splits import PROTOCOLS, class_split, random_class_splits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,12 @@ BENCHMARK_PRESETS = {
         _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
         strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40, doses=(("margin", (0.35, 0.7, 1.2, 2.0)),),
         about="concat - separate against the margin (0.35 to 2.0 nats), split a, disjoint, 10 seeds; CPU"),
+    # Generality: 30 random 6/4 class splits (splits.random_class_splits, seed 0) x 3 seeds on the primary's setting,
+    # concat and separate; analysed with split as a random effect (stats.split_effects).
+    "generality": BenchmarkPreset(
+        _PRIMARY, class_splits=random_class_splits(30), protocols=("disjoint",), selections=("last-epoch",),
+        strategies=("separate", "concat"), reference=(), seeds=3, max_seeds=10,
+        about="concat - separate over 30 random 6/4 class splits, disjoint, last epoch, 3 seeds; CPU"),
     # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,

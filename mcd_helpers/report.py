@@ -14,14 +14,14 @@ from typing import Sequence
 from .files import atomic_write, write_buffered
 from .metrics import METRIC_KEYS
 from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
-from .stats import GROUP_KEYS, endpoint_tests, paired_differences, summarize
+from .stats import GROUP_KEYS, endpoint_tests, paired_differences, split_effects, summarize
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm", "dose")  # a group: task, split, protocol, selection, method, OOD, network, dose
 RECAL = " (recalibrated)"  # a strategy evaluated with recalibrated statistics (eval_stats) is its own arm here
 COMPARISONS = (("concat", "separate"), ("split-bn", "separate"), ("recalibrate", "separate"), ("concat-both", "separate"),
                ("concat" + RECAL, "separate" + RECAL), ("separate", "frozen-bn"), ("frozen-bn-concat", "frozen-bn"))
 METRICS = ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")
-ALL_SPLITS = "all"  # class_split of the pairs pooled over every class split (a pair = one split and seed)
+ALL_SPLITS = "all"  # class_split of the pairs pooled over class splits (a pair = one split's means over its seeds)
 
 
 def markdown_table(header: Sequence, rows: Sequence[Sequence], align: str = "") -> str:
@@ -63,9 +63,25 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
 
 
 def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:
-    """``fn(rows)``, and with several class splits also ``fn`` of the rows pooled (split ``all``, a pair per split and seed)."""
-    pooled = [{**r, "class_split": ALL_SPLITS, "seed": f"{r['class_split']}:{r['seed']}"} for r in rows]
-    return fn(rows) + (fn(pooled) if len({r["class_split"] for r in rows}) > 1 else [])
+    """``fn(rows)``, and with several class splits also ``fn`` of each split's means over seeds (split ``all``, a
+    pair per split: the split is the block, as in a two-stage random-effects analysis; for balanced seeds its mean
+    and interval are :func:`~mcd_helpers.stats.split_effects`' REML ones whenever the between-split variance > 0)."""
+    if len({r["class_split"] for r in rows}) < 2:
+        return fn(rows)
+    keys = [k for k in (*KEYS, "strategy", "arm", "eval_stats") if k in rows[0] and k != "class_split"]
+    means: dict[tuple, dict] = {}
+    for r in rows:
+        m = means.setdefault((r["class_split"], *(r.get(k) for k in keys)),
+                             {**{k: r.get(k) for k in keys}, "class_split": ALL_SPLITS, "seed": r["class_split"]})
+        for metric in METRICS:
+            m.setdefault("_" + metric, []).append(r.get(metric))
+    pooled = [{**{k: v for k, v in m.items() if k[0] != "_"}, **{k[1:]: _mean(v) for k, v in m.items() if k[0] == "_"}}
+              for m in means.values()]
+    return fn(rows) + fn(pooled)
+
+
+def _mean(values: list) -> float | None:
+    return None if any(v is None for v in values) else sum(values) / len(values)
 
 
 def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[dict]]:
@@ -116,6 +132,30 @@ def endpoints_markdown(tests: Sequence[dict]) -> str:
                            "p (paired t)", "p (sign)", "p (Holm)"], lines, "lllllrrrr")
 
 
+def split_effect_tables(rows: Sequence[dict], a: str = "concat", b: str = "separate") -> list[dict]:
+    """:func:`~mcd_helpers.stats.split_effects` of MCD ``a - b`` (AUROC) per near-OOD protocol and selection that
+    has at least 3 class splits with both strategies, each with its ``protocol`` and ``selection``."""
+    mine = [r for r in rows if r["task"] == "near-ood"]
+    out = []
+    for protocol, selection in dict.fromkeys((r["protocol"], r["selection"]) for r in mine):
+        these = [r for r in mine if (r["protocol"], r["selection"]) == (protocol, selection)]
+        if len({r["class_split"] for r in these if r["strategy"] in (a, b)}) >= 3:
+            out.append({"protocol": protocol, "selection": selection, **split_effects(these, a, b)})
+    return out
+
+
+def split_effects_markdown(effects: Sequence[dict]) -> str:
+    """The table of :func:`split_effect_tables`: percentage points (the slope in pp per pp of the covariate)."""
+    pp = lambda x: f"{100 * x:+.2f}"  # noqa: E731
+    lines = [[e["protocol"], e["selection"], f"{e['a']} − {e['b']}", e["k"], e["n"],
+              f"{pp(e['mean'])} [{pp(e['low'])}, {pp(e['high'])}]", f"{100 * e['tau']:.2f}", f"{100 * e['sigma']:.2f}",
+              f"[{pp(e['pi_low'])}, {pp(e['pi_high'])}]", f"{e['slope']:+.2f} (p {e['slope_p']:.2g})",
+              f"{sum(s['mean'] > 0 for s in e['splits'])}/{e['k']}"] for e in effects]
+    return markdown_table(["protocol", "selection", "MCD difference", "splits", "pairs", "mean [95% CI] (pp)",
+                           "between-split SD (pp)", "within-split SD (pp)", "95% prediction interval, new split (pp)",
+                           "slope on MSP AUROC", "splits > 0"], lines, "lllrrrrrrrr")
+
+
 def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float | None = None,
                  endpoints: Sequence = ()) -> str:
     """The whole ``summary.md``: the pre-registered ``endpoints`` (if any), then per task (near-OOD, far-OOD) the
@@ -130,6 +170,11 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
         parts += ["", "## Pre-registered endpoints", "", "The first is the primary endpoint; the others are one family, "
                   "Holm-adjusted. Paired by seed; the sign test is exact (two-sided).", "",
                   endpoints_markdown(endpoint_tests(rows, endpoints))]
+    if effects := split_effect_tables(rows):
+        parts += ["", "## Class split as a random effect", "", "MCD on the BatchNorm network, AUROC, running statistics: "
+                  "d = mu + u_split + e, fitted by REML (statsmodels MixedLM); the prediction interval is for a new "
+                  "class split's effect (Higgins et al. 2009); the slope regresses the split means on MSP's AUROC there "
+                  "(a harder split has a lower MSP AUROC).", "", split_effects_markdown(effects)]
     for task, heading in (("near-ood", "Near-OOD: held-out classes"), ("far-ood", "Far-OOD rows (transductive)")):
         summary, paired = benchmark_tables(rows, task)
         if not summary:  # no rows of this task
@@ -154,7 +199,7 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
         if lines:
             parts += ["### Paired differences", "", "Same seed (and split) for both strategies; mean ± 95% CI half-width "
                       "in percentage points, p of the two-sided paired t-test on AUROC"
-                      + (f"; split `{ALL_SPLITS}` pools every split" if len(splits) > 1 else "") + ".", "",
+                      + (f"; split `{ALL_SPLITS}` pairs the splits' means over seeds (split as the block)" if len(splits) > 1 else "") + ".", "",
                       markdown_table(names + ["protocol", "selection", "network", "difference", "pairs",
                                               *(f"Δ{NAMES[m]} (pp)" for m in METRICS), "p (AUROC)"], lines)]
     return "\n".join(parts).rstrip() + "\n"
@@ -168,7 +213,8 @@ def forest_entries(paired: Sequence[dict]) -> list[dict]:
 
 def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", seconds: float | None = None,
                  endpoints: Sequence = ()) -> None:
-    """``summary.md`` and, with near-OOD rows, ``forest.png`` and ``by_protocol.png`` (the first selection) in ``folder``."""
+    """``summary.md`` and, with near-OOD rows, ``forest.png``, ``by_protocol.png`` (the first selection) and, with 3 or
+    more class splits, ``splits.png`` (concat - separate per split) in ``folder``."""
     import matplotlib.pyplot as plt
 
     def save(name: str, fig) -> None:
@@ -179,6 +225,9 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
     summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows
     if entries := forest_entries(paired):
         save("forest.png", forest_plot(entries, "auroc", "MCD, held-out classes: paired AUROC differences (same seed)"))
+    if split_effect_tables(rows):  # per class split first, then their block mean (split "all")
+        save("splits.png", forest_plot([d for d in paired if (d["method"], d["norm"], d["a"], d["b"]) == (
+            "mcd", "batch", "concat", "separate")], "auroc", "MCD concat − separate per class split (pairs: seeds)"))
     if summary:
         save("by_protocol.png", plot_by_protocol([{**g, "method": method_label(g), "strategy": ""} for g in summary
                                                   if g["selection"] == summary[0]["selection"]], "auroc"))

@@ -14,6 +14,7 @@ and the protocols of the near-OOD benchmark.
 Shapes: images ``(N, C, H, W)`` float, labels ``(N,)`` int64.
 """
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +93,20 @@ def class_split(name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         raise ConfigError("class_split", f"class split {name!r} lists a class twice or on both sides; valid classes "
                                          f"are {', '.join(f'{c} {n}' for c, n in enumerate(FMNIST_CLASSES))}.")
     return id_c, ood_c
+
+
+def random_class_splits(n: int, seed: int = 0) -> tuple[str, ...]:
+    """``n`` distinct random 6/4 class splits, written ``"IDS/OODS"`` (digits ascending on each side): the
+    first ``n`` of the C(10, 4) = 210 possible splits, in ``np.random.RandomState(seed)``'s order.
+
+    Raises:
+        ValueError: ``n`` outside 1..210.
+    """
+    every = [tuple(c) for c in itertools.combinations(range(10), 4)]
+    if not 1 <= n <= len(every):
+        raise ValueError(f"n={n} random class splits asked; there are {len(every)} distinct 6/4 splits of 10 classes.")
+    picked = [every[i] for i in np.random.RandomState(seed).permutation(len(every))[:n]]
+    return tuple("".join(str(c) for c in range(10) if c not in o) + "/" + "".join(map(str, o)) for o in picked)
 
 
 def keep_classes(x: torch.Tensor, y: torch.Tensor, classes) -> tuple[torch.Tensor, torch.Tensor]:

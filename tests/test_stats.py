@@ -223,8 +223,9 @@ def test_benchmark_tables_summary_pairs_and_pooled_pairs():
     d = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("b", "transductive", "id_accuracy"))
     assert d["diffs"] == pytest.approx(diffs(rows, "id_accuracy", task="near-ood", class_split="b", protocol="transductive"))
     pooled = next(d for d in paired if (d["class_split"], d["protocol"], d["metric"]) == ("all", "disjoint", "auroc"))
-    want = np.r_[diffs(rows, class_split="a", protocol="disjoint"), diffs(rows, class_split="b", protocol="disjoint")]
-    assert pooled["seeds"] == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2"] and pooled["n"] == 6
+    # split as the block: one pair per split, its mean over seeds (the seeds are not independent replicates of a split)
+    want = [diffs(rows, class_split=s, protocol="disjoint").mean() for s in "ab"]
+    assert pooled["seeds"] == ["a", "b"] and pooled["n"] == 2
     assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
     _, far_pairs = benchmark_tables(rows, "far-ood")  # one split: nothing pooled
     assert {d["class_split"] for d in far_pairs} == {"a"} and len(far_pairs) == 2 * 5
@@ -239,9 +240,9 @@ def test_setting_differences_pair_protocols_by_seed_and_split():
     assert d["diffs"] == pytest.approx(diffs(rows, "fpr95", "disjoint", "transductive", "protocol", class_split="b",
                                              method="msp"))
     pooled = next(d for d in out if (d["class_split"], d["arm"]) == ("all", "concat"))
-    want = np.r_[[diffs(rows, "fpr95", "disjoint", "transductive", "protocol", class_split=s, strategy="concat")
-                  for s in "ab"]].ravel()
-    assert pooled["seeds"] == ["a:0", "a:1", "a:2", "b:0", "b:1", "b:2"] and pooled["metric"] == "fpr95"
+    want = [diffs(rows, "fpr95", "disjoint", "transductive", "protocol", class_split=s, strategy="concat").mean()
+            for s in "ab"]
+    assert pooled["seeds"] == ["a", "b"] and pooled["metric"] == "fpr95"
     assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
     with pytest.raises(ValueError, match="field must be 'protocol' or 'selection', got 'norm'"):
         setting_differences(rows, "norm", "batch", "group")
@@ -277,9 +278,9 @@ def test_summary_text_numbers_are_the_rows_means():
     m = dict(task="far-ood", ood_dataset="uniform")
     want = f"| uniform | transductive | MCD concat | 3 | {pct(values(rows, strategy='concat', **m))} |"
     assert any(line.startswith(want) for line in lines[lines.index("## Far-OOD rows (transductive)"):])
-    d = {k: np.r_[[diffs(rows, k, task="near-ood", class_split=s, protocol="disjoint") for s in "ab"]].ravel()
-         for k in ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")}
-    want = (f"| all | disjoint | ood-labels | BatchNorm | concat − separate | 6 | "
+    d = {k: [diffs(rows, k, task="near-ood", class_split=s, protocol="disjoint").mean() for s in "ab"]
+         for k in ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")}  # a pair per split: its mean over seeds
+    want = (f"| all | disjoint | ood-labels | BatchNorm | concat − separate | 2 | "
             + " | ".join(pct(v, True) for v in d.values()) + f" | {p_by_hand(d['auroc']):.2g} |")
     assert want in lines
 
@@ -381,3 +382,64 @@ def test_an_endpoint_of_equal_differences_takes_the_sign_tests_p_into_holm():
     assert math.isnan(out[1]["p_value"]) and math.isnan(out[1]["sign_p"])  # all fpr95 differences 0
     assert out[2]["sign_p"] == 0.5 and out[2]["diffs"] == pytest.approx([0.01, 0.01])  # 2 of 2 positive: p = 2 / 4
     assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([1.0, 0.5]))  # not 0: the sign test's p
+
+
+def split_rows(k=8, n=3, tau=0.03, sigma=0.02, seed=0):
+    """Balanced rows of concat, separate and MSP over ``k`` splits x ``n`` seeds: concat - separate = 0.05 + u_i + e_ij."""
+    rng, rows = np.random.default_rng(seed), []
+    common = dict(task="near-ood", protocol="disjoint", selection="last-epoch", norm="batch", ood_dataset="heldout")
+    for i in range(k):
+        u = rng.normal(0, tau)
+        for j in range(n):
+            base = rng.uniform(0.8, 0.9)
+            for method, strategy, auroc in (("mcd", "concat", base + 0.05 + u + rng.normal(0, sigma)),
+                                            ("mcd", "separate", base), ("msp", None, 0.6 + 0.01 * i + 0.003 * j)):
+                rows.append({**common, "class_split": f"s{i}", "seed": j, "method": method, "strategy": strategy,
+                             "auroc": auroc, **dict.fromkeys(("fpr95", "aupr_in", "aupr_out", "id_accuracy"), 0.5)})
+    return rows
+
+
+def anova(rows, k, n):
+    """The balanced one-way random-effects ANOVA by hand: D (k, n), mean, tau, sigma, se(mean)."""
+    get = lambda i, s: [r["auroc"] for r in rows if (r["class_split"], r["strategy"]) == (f"s{i}", s)]  # noqa: E731
+    d = np.array([np.subtract(get(i, "concat"), get(i, "separate")) for i in range(k)])
+    m = d.mean(1)
+    msb, msw = n * m.var(ddof=1), ((d - m[:, None]) ** 2).sum() / (k * (n - 1))
+    return d, d.mean(), np.sqrt(max(msb - msw, 0) / n), np.sqrt(msw), np.sqrt(msb / (k * n))
+
+
+def test_split_effects_equal_the_balanced_anova_and_the_pooled_split_means():
+    from mcd_helpers.stats import split_effects
+    rows, k, n = split_rows(), 8, 3
+    d, mean, tau, sigma, se = anova(rows, k, n)
+    out = split_effects(rows)
+    assert (out["k"], out["n"]) == (k, k * n)
+    assert out["mean"] == pytest.approx(mean, rel=1e-9)
+    assert (out["tau"], out["sigma"], out["se"]) == pytest.approx((tau, sigma, se), rel=1e-4)  # REML by an optimiser
+    assert out["high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 1) * se, rel=1e-4)
+    assert out["pi_high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 2) * np.hypot(tau, se), rel=1e-4)
+    assert [s["mean"] for s in out["splits"]] == pytest.approx(d.mean(1), rel=1e-12)
+    slope, intercept = np.polyfit([s["covariate"] for s in out["splits"]], d.mean(1), 1)
+    assert out["slope"] == pytest.approx(slope, rel=1e-9)
+    assert out["splits"][2]["covariate"] == pytest.approx(0.62 + 0.003, rel=1e-12)  # MSP mean over seeds 0, 1, 2
+    # the report's pooled pair (split as the block) is the same mean and interval: t_{k-1} sd(split means) / sqrt(k)
+    pooled = next(p for p in benchmark_tables(rows, "near-ood")[1] if p["class_split"] == "all" and p["metric"] == "auroc")
+    assert (pooled["mean"], pooled["half_width"]) == pytest.approx((out["mean"], out["high"] - out["mean"]), rel=1e-4)
+    half = st.t.ppf(0.975, k - 1) * se  # the report's line, from the ANOVA by hand
+    line = (f"| disjoint | last-epoch | concat − separate | {k} | {k * n} | {100 * mean:+.2f} [{100 * (mean - half):+.2f}, "
+            f"{100 * (mean + half):+.2f}] | {100 * tau:.2f} | {100 * sigma:.2f} |")
+    assert any(x.startswith(line) for x in summary_text(rows).splitlines())
+    assert "## Class split as a random effect" not in summary_text(bench_rows())  # two splits: no random effect
+
+
+def test_split_effects_at_no_split_effect_and_bad_input():
+    from mcd_helpers.stats import split_effects
+    rows = split_rows(k=6, n=4, tau=0.0, sigma=0.02, seed=1)
+    _, mean, tau, _, _ = anova(rows, 6, 4)
+    assert tau == 0  # this draw's between-split mean square is below the within one: tau on the boundary
+    out = split_effects(rows)
+    assert out["tau"] < 0.02 * out["sigma"] and out["mean"] == pytest.approx(mean, rel=1e-6)
+    with pytest.raises(ValueError, match="at least 3 class splits"):
+        split_effects([r for r in rows if r["class_split"] in ("s0", "s1")])
+    with pytest.raises(ValueError, match="one task, protocol and selection"):
+        split_effects(rows + [{**r, "protocol": "transductive"} for r in rows])
