@@ -62,26 +62,24 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
             "is better.\n" + (f"\n**Failed OOD sets** (no rows):\n\n{failed}" if failed else ""))
 
 
-def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:
-    """``fn(rows)``, and with several class splits also ``fn`` of each split's means over seeds (split ``all``, a
-    pair per split: the split is the block, as in a two-stage random-effects analysis; for balanced seeds its mean
+def split_means(rows: Sequence[dict]) -> list[dict]:
+    """Each class split's rows averaged over seeds, as rows of split ``all`` whose ``seed`` is the class split: pairing
+    them pairs splits (the split is the block, as in a two-stage random-effects analysis; with balanced seeds the mean
     and interval are :func:`~mcd_helpers.stats.split_effects`' REML ones whenever the between-split variance > 0)."""
-    if len({r["class_split"] for r in rows}) < 2:
-        return fn(rows)
-    keys = [k for k in (*KEYS, "strategy", "arm", "eval_stats") if k in rows[0] and k != "class_split"]
+    keys = [k for k in (*KEYS, "strategy", "arm", "eval_stats") if rows and k in rows[0] and k != "class_split"]
     means: dict[tuple, dict] = {}
     for r in rows:
         m = means.setdefault((r["class_split"], *(r.get(k) for k in keys)),
                              {**{k: r.get(k) for k in keys}, "class_split": ALL_SPLITS, "seed": r["class_split"]})
         for metric in METRICS:
             m.setdefault("_" + metric, []).append(r.get(metric))
-    pooled = [{**{k: v for k, v in m.items() if k[0] != "_"}, **{k[1:]: _mean(v) for k, v in m.items() if k[0] == "_"}}
-              for m in means.values()]
-    return fn(rows) + fn(pooled)
+    return [{**{k: v for k, v in m.items() if k[0] != "_"},
+             **{k[1:]: None if None in v else sum(v) / len(v) for k, v in m.items() if k[0] == "_"}} for m in means.values()]
 
 
-def _mean(values: list) -> float | None:
-    return None if any(v is None for v in values) else sum(values) / len(values)
+def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:
+    """``fn(rows)``, and with several class splits also ``fn`` of their :func:`split_means` (split ``all``)."""
+    return fn(rows) + (fn(split_means(rows)) if len({r["class_split"] for r in rows}) > 1 else [])
 
 
 def benchmark_tables(rows: Sequence[dict], task: str) -> tuple[list[dict], list[dict]]:
@@ -107,9 +105,10 @@ def setting_differences(rows: Sequence[dict], field: str, a: str, b: str, metric
 
 
 def pooled_summary(rows: Sequence[dict], task: str = "near-ood") -> list[dict]:
-    """The summary of ``task``'s rows over every class split and seed together (a value per split and seed)."""
-    keys = tuple(k for k in KEYS + ("strategy",) if k != "class_split")
-    return summarize(arms([r for r in rows if r["task"] == task]), METRICS, keys)
+    """The summary of ``task``'s rows over class splits: a value per split, its mean over seeds (:func:`split_means`);
+    with one class split, over its seeds."""
+    keys, mine = tuple(k for k in KEYS + ("strategy",) if k != "class_split"), arms([r for r in rows if r["task"] == task])
+    return summarize(split_means(mine) if len({r["class_split"] for r in mine}) > 1 else mine, METRICS, keys)
 
 
 def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: str = "ood-labels") -> str:

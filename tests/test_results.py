@@ -103,3 +103,26 @@ def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_
     primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
                if r["method"] == "mcd" and r["eval_stats"] == "running"}
     assert all(v["margin=1.2", s, i] == primary[s, i] for s in ("concat", "separate") for i in range(10))
+
+
+def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
+    # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
+    from scipy import stats
+
+    rows = [r for r in json.loads((RESULTS / "near-ood" / "results.json").read_text())
+            if (r["task"], r["method"], r["norm"], r["selection"]) == ("near-ood", "mcd", "batch", "ood-labels")]
+    v = {(r["class_split"], r["protocol"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows}
+    ci = lambda d: (d.mean(), stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))  # noqa: E731
+    docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text().replace("−", "-")
+    cells = {"all": []}
+    for split in "abc":
+        cells[split] = []
+        for protocol in ("transductive", "disjoint", "unseen-ood"):
+            d = np.array([v[split, protocol, "concat", s] - v[split, protocol, "separate", s] for s in range(5)])
+            cells[split].append(f"{ci(d)[0]:+.2f} ± {ci(d)[1]:.2f} (p {stats.ttest_1samp(d, 0).pvalue:.2g})")
+    for protocol in ("transductive", "disjoint", "unseen-ood"):
+        means = np.array([np.mean([v[s, protocol, "concat", i] - v[s, protocol, "separate", i] for i in range(5)]) for s in "abc"])
+        cells["all"].append("{:+.2f} ± {:.2f}".format(*ci(means)))
+    for split, line in cells.items():
+        name = "all (3 split means)" if split == "all" else split
+        assert f"| {name} | " + " | ".join(line) + " |" in docs, (split, line)

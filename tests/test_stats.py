@@ -252,14 +252,16 @@ def test_pooled_summary_and_pivot():
     rows = [r for r in bench_rows(far=False) if not (r["method"] == "msp" and r["protocol"] == "disjoint")]
     pooled = pooled_summary(rows)
     assert len(pooled) == 5 and all("class_split" not in g for g in pooled)
+    split_mean = lambda **m: [np.mean(values(rows, class_split=s, **m)) for s in "ab"]  # noqa: E731  a value per split
     for g in pooled:
-        v = values(rows, protocol=g["protocol"], method=g["method"], strategy=g["strategy"])
-        assert g["n"] == len(v) == 6 and g["auroc"]["mean"] == pytest.approx(np.mean(v), rel=1e-12)
+        v = split_mean(protocol=g["protocol"], method=g["method"], strategy=g["strategy"])
+        assert g["n"] == len(v) == 2 and g["auroc"]["mean"] == pytest.approx(np.mean(v), rel=1e-12)
+        assert g["auroc"]["half_width"] == pytest.approx(by_scipy(v)[1], rel=1e-10)
     lines = pivot_markdown(pooled).splitlines()
     assert lines[0] == "| method | n | transductive: AUROC (%) | disjoint: AUROC (%) |"  # PROTOCOLS order
-    cells = {p: pct(values(rows, protocol=p, strategy="concat")) for p in ("transductive", "disjoint")}
-    assert f"| MCD concat | 6 | {cells['transductive']} | {cells['disjoint']} |" in lines
-    assert f"| MSP (pre-trained) | 6 | {pct(values(rows, protocol='transductive', method='msp'))} | - |" in lines
+    cells = {p: pct(split_mean(protocol=p, strategy="concat")) for p in ("transductive", "disjoint")}
+    assert f"| MCD concat | 2 | {cells['transductive']} | {cells['disjoint']} |" in lines
+    assert f"| MSP (pre-trained) | 2 | {pct(split_mean(protocol='transductive', method='msp'))} | - |" in lines
     assert pivot_markdown(pooled, selection="last-epoch").splitlines()[2:] == []
 
 
