@@ -111,6 +111,13 @@ BENCHMARK_PRESETS = {
         _PRIMARY, class_splits=random_class_splits(30), protocols=("disjoint",), selections=("last-epoch",),
         strategies=("separate", "concat"), reference=(), seeds=3, max_seeds=10,
         about="concat - separate over 30 random 6/4 class splits, disjoint, last epoch, 3 seeds; CPU"),
+    # Depth: the primary endpoint on a pre-activation ResNet-20 (0.27 M parameters, 19 BatchNorm layers against
+    # small_cnn's 3), concat and separate; about 7x small_cnn's training time on a CPU.
+    "depth": BenchmarkPreset(
+        dataclasses.replace(_PRIMARY, model="resnet_20"), class_splits=("a",), protocols=("disjoint",),
+        selections=("last-epoch",), strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
+        endpoints=(("concat", "separate", "auroc", "running"),),
+        about="the primary endpoint on resnet_20: split a, disjoint, last epoch, concat and separate, 10 seeds; CPU"),
     # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(**_FINETUNE | _ODIN | dict(train_subset=3000, test_subset=1000, n_val=40, n_holdout=300, ood_size=200,

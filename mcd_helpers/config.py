@@ -68,7 +68,7 @@ class MCDConfig:
     unlabeled_ood: str = "digits"  # unseen-ood: the source of the unlabeled OOD images (the test OOD: held-out classes)
 
     # --- model ---
-    model: str = "small_cnn"  # small_cnn | densenet_bc_100 | wrn_28_10
+    model: str = "small_cnn"  # small_cnn | resnet_20 | densenet_bc_100 | wrn_28_10
     norm: str = "batch"  # small_cnn only: batch | group | none
 
     # --- pre-training: CE on both heads (not in the official code, which ships checkpoints) ---

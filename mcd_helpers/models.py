@@ -8,6 +8,7 @@ ICCV 2019 (arXiv 1908.04951), Sec. 3 and Fig. 2. The official code (github.com/Y
 
 * :func:`small_cnn` -- a CPU-sized 3-conv net for 28x28 Fashion-MNIST, ``norm`` selectable;
 * :func:`densenet_bc_100` -- DenseNet-BC, L=100, k=12, CIFAR stem (Huang et al., CVPR 2017), 342-d features;
+* :func:`resnet_20` -- a pre-activation ResNet-20 (16/32/64 channels), 64-d features, for the CPU;
 * :func:`wrn_28_10` -- Wide ResNet 28-10, dropout 0 (Zagoruyko & Komodakis, BMVC 2016), 640-d features.
 """
 
@@ -140,20 +141,36 @@ class _WideBasic(nn.Module):
         return self.conv2(torch.relu(self.bn2(self.conv1(out)))) + (x if self.shortcut is None else self.shortcut(out))
 
 
-def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
-    """Wide ResNet 28-10 with dropout 0: 640-d features, about 36.5 M parameters. The paper's second network.
-
-    Shapes: ``(N, in_channels, 32, 32)`` -> two ``(N, num_classes)``.
-    """
+def _preact_resnet(in_channels: int, num_classes: int, widths: tuple[int, int, int], blocks: int) -> TwoHeadNet:
+    """A 3x3 stem to 16 channels, three stages of ``blocks`` :class:`_WideBasic` blocks (widths ``widths``, strides
+    1, 2, 2), BN-ReLU-global average pooling: ``widths[-1]``-d features."""
     layers, c_in = [nn.Conv2d(in_channels, 16, 3, padding=1, bias=False)], 16
-    for width, stride in ((160, 1), (320, 2), (640, 2)):  # 16 x widen 10, 32 x 10, 64 x 10
-        layers += [_WideBasic(width if i else c_in, width, 1 if i else stride) for i in range(4)]  # (depth - 4) / 6
+    for width, stride in zip(widths, (1, 2, 2)):
+        layers += [_WideBasic(width if i else c_in, width, 1 if i else stride) for i in range(blocks)]
         c_in = width
     layers += [nn.BatchNorm2d(c_in), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
     return TwoHeadNet(nn.Sequential(*layers), c_in, num_classes, in_channels)
 
 
-MODELS = {"small_cnn": small_cnn, "densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}  # name -> builder
+def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
+    """Wide ResNet 28-10 with dropout 0: 640-d features, about 36.5 M parameters. The paper's second network.
+
+    Shapes: ``(N, in_channels, 32, 32)`` -> two ``(N, num_classes)``.
+    """
+    return _preact_resnet(in_channels, num_classes, (160, 320, 640), 4)  # 16, 32, 64 x widen 10; (depth - 4) / 6
+
+
+def resnet_20(in_channels: int = 1, num_classes: int = 10) -> TwoHeadNet:
+    """A pre-activation ResNet-20 (He et al., ECCV 2016; CIFAR layout: 3 stages of 3 blocks, 16/32/64 channels):
+    64-d features, about 0.27 M parameters, BatchNorm in every block. The deeper CPU-sized BatchNorm network of
+    the near-OOD benchmark (preset ``depth``).
+
+    Shapes: ``(N, in_channels, H, W)`` (28x28 or 32x32) -> two ``(N, num_classes)``.
+    """
+    return _preact_resnet(in_channels, num_classes, (16, 32, 64), 3)
+
+
+MODELS = {"small_cnn": small_cnn, "resnet_20": resnet_20, "densenet_bc_100": densenet_bc_100, "wrn_28_10": wrn_28_10}  # name -> builder
 
 
 def build_model(name: str, in_channels: int, num_classes: int, norm: str = "batch") -> TwoHeadNet:

@@ -30,7 +30,7 @@ def test_the_defaults_are_valid_and_tuple_fields_become_tuples():
 
 
 @pytest.mark.parametrize("field, value, valid", [
-    ("id_dataset", "svhn", "fashion_mnist, cifar10, cifar100"), ("model", "resnet18", "small_cnn, densenet_bc_100, wrn_28_10"),
+    ("id_dataset", "svhn", "fashion_mnist, cifar10, cifar100"), ("model", "resnet18", "small_cnn, resnet_20, densenet_bc_100, wrn_28_10"),
     ("norm", "layer", "batch, group, none"), ("schedule", "step_a", "official, step_b"),
     ("protocol", "inductive", "transductive, disjoint, unseen-ood"), ("selection", "best", "ood-labels, last-epoch"),
     ("amp", "fp16", "none, bf16, auto")])

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcd_helpers.models import TwoHeadNet, build_model, densenet_bc_100, small_cnn, wrn_28_10
+from mcd_helpers.models import TwoHeadNet, build_model, densenet_bc_100, resnet_20, small_cnn, wrn_28_10
 
 
 def one_head_params(m):
@@ -28,6 +28,16 @@ def test_wrn_28_10_matches_the_published_size_without_dropout():
     assert not any(isinstance(mod, nn.Dropout) for mod in m.modules())
 
 
+def test_resnet_20_counts_its_parameters_by_hand():
+    # He et al. 2016 (CIFAR ResNet-20: 0.27 M). By hand, 1 input channel, 6 classes: stem 16*9; a block is
+    # BN(c_in) conv(c_in->c) BN(c) conv(c->c) (+ a 1x1 shortcut where the shape changes), a BN is 2 per channel.
+    block = lambda c_in, c: 2 * c_in + 9 * c_in * c + 2 * c + 9 * c * c + (c_in * c if c_in != c else 0)  # noqa: E731
+    stages = sum(block(c_in, c) + 2 * block(c, c) for c_in, c in ((16, 16), (16, 32), (32, 64)))
+    m = resnet_20(1, 6)
+    assert sum(p.numel() for p in m.parameters()) == 16 * 9 + stages + 2 * 64 + 2 * (64 * 6 + 6) == 272_124
+    assert m.feature_dim == 64 and sum(isinstance(x, nn.BatchNorm2d) for x in m.modules()) == 19
+
+
 def test_small_cnn_is_cpu_sized_with_128_features():
     m = small_cnn()
     assert m.feature_dim == 128
@@ -39,6 +49,7 @@ def test_small_cnn_is_cpu_sized_with_128_features():
     (lambda: small_cnn(3, 7, "none", width=8), (3, 3, 32, 32), 7),
     (lambda: densenet_bc_100(1, 100), (2, 1, 32, 32), 100),
     (lambda: wrn_28_10(3, 10), (1, 3, 32, 32), 10),
+    (lambda: build_model("resnet_20", 1, 6), (2, 1, 28, 28), 6),
     (lambda: build_model("small_cnn", 2, 5, "group"), (2, 2, 28, 28), 5),
     (lambda: build_model("densenet_bc_100", 3, 4), (2, 3, 16, 16), 4),
 ])
@@ -60,7 +71,7 @@ def test_build_model_builds_the_named_architecture():
     assert build_model("wrn_28_10", 1, 10).G[0].in_channels == 1
     gn = build_model("small_cnn", 1, 10, "group")
     assert any(isinstance(m, nn.GroupNorm) for m in gn.modules())
-    with pytest.raises(ValueError, match="unknown model 'resnet18'; choose from small_cnn, densenet_bc_100, wrn_28_10"):
+    with pytest.raises(ValueError, match="unknown model 'resnet18'; choose from small_cnn, resnet_20, densenet_bc_100, wrn_28_10"):
         build_model("resnet18", 3, 10)
 
 
