@@ -126,7 +126,7 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     labels = [(f"{d['a']} − {d['b']}: " if len(pairs) > 1 else "") + " / ".join(str(d[k]) for k in shown) for d in entries]
     fig, ax = plt.subplots(figsize=(9.0, 1.4 + 0.35 * len(entries)))
     ax.errorbar([100 * d["mean"] for d in entries], range(len(entries)), xerr=[100 * d["half_width"] for d in entries],
-                fmt="o", capsize=3, label="mean and 95% CI over seeds")
+                fmt="o", capsize=3, label="mean and 95% CI over the pairs")
     ax.axvline(0, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(entries)), labels)
     ax.invert_yaxis()

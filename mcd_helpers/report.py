@@ -8,6 +8,7 @@
 """
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Sequence
 
@@ -65,16 +66,18 @@ def results_markdown(rows: Sequence[dict], failures: dict | None = None) -> str:
 def split_means(rows: Sequence[dict]) -> list[dict]:
     """Each class split's rows averaged over seeds, as rows of split ``all`` whose ``seed`` is the class split: pairing
     them pairs splits (the split is the block, as in a two-stage random-effects analysis; with balanced seeds the mean
-    and interval are :func:`~mcd_helpers.stats.split_effects`' REML ones whenever the between-split variance > 0)."""
-    keys = [k for k in (*KEYS, "strategy", "arm", "eval_stats") if rows and k in rows[0] and k != "class_split"]
+    and interval are :func:`~mcd_helpers.stats.split_effects`' REML ones). An arm found in one split only is left out."""
+    keys = [k for k in (*KEYS, "strategy", "arm", "eval_stats") if k != "class_split" and any(k in r for r in rows)]
     means: dict[tuple, dict] = {}
     for r in rows:
         m = means.setdefault((r["class_split"], *(r.get(k) for k in keys)),
                              {**{k: r.get(k) for k in keys}, "class_split": ALL_SPLITS, "seed": r["class_split"]})
         for metric in METRICS:
             m.setdefault("_" + metric, []).append(r.get(metric))
+    splits = Counter(key[1:] for key in means)
     return [{**{k: v for k, v in m.items() if k[0] != "_"},
-             **{k[1:]: None if None in v else sum(v) / len(v) for k, v in m.items() if k[0] == "_"}} for m in means.values()]
+             **{k[1:]: None if None in v else sum(v) / len(v) for k, v in m.items() if k[0] == "_"}}
+            for key, m in means.items() if splits[key[1:]] > 1]
 
 
 def _with_pooled(rows: Sequence[dict], fn) -> list[dict]:
@@ -223,10 +226,11 @@ def write_report(rows: Sequence[dict], folder: Path, title: str = "Benchmark", s
     atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds, endpoints))
     summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows
     if entries := forest_entries(paired):
-        save("forest.png", forest_plot(entries, "auroc", "MCD, held-out classes: paired AUROC differences (same seed)"))
+        save("forest.png", forest_plot(entries, "auroc", "MCD, held-out classes: paired AUROC differences "
+                                                         + ("(pairs: the class splits' means)" if len({d["class_split"] for d in paired}) > 1 else "(same seed)")))
     if split_effect_tables(rows):  # per class split first, then their block mean (split "all")
         save("splits.png", forest_plot([d for d in paired if (d["method"], d["norm"], d["a"], d["b"]) == (
-            "mcd", "batch", "concat", "separate")], "auroc", "MCD concat − separate per class split (pairs: seeds)"))
+            "mcd", "batch", "concat", "separate")], "auroc", "MCD concat − separate per class split (pairs: seeds; split all: the split means)"))
     if summary:
         save("by_protocol.png", plot_by_protocol([{**g, "method": method_label(g), "strategy": ""} for g in summary
                                                   if g["selection"] == summary[0]["selection"]], "auroc"))

@@ -9,13 +9,11 @@ when the interval excludes 0 (NIST/SEMATECH e-Handbook of Statistical Methods, 7
 """
 
 import math
-import warnings
 from typing import Sequence
 
 import numpy as np
 from scipy import stats
 from statsmodels.regression.mixed_linear_model import MixedLM
-from statsmodels.tools.sm_exceptions import ConvergenceWarning
 from statsmodels.stats.multitest import multipletests
 
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
@@ -135,47 +133,62 @@ def split_effects(rows: Sequence[dict], a: str = "concat", b: str = "separate", 
                   covariate: str = "msp", confidence: float = 0.95) -> dict:
     """The effect ``a - b`` of MCD (BatchNorm network, running statistics) over class splits, with the split as a
     random effect: ``d_ij = mu + u_i + e_ij`` for split i and seed j, ``u_i ~ N(0, tau^2)``, ``e_ij ~ N(0,
-    sigma^2)``, fitted by REML (``statsmodels`` ``MixedLM``; balanced, it gives the one-way ANOVA estimates
-    ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``, ``se(mu)^2 = MSB / (k n)`` when MSB >= MSW).
+    sigma^2)``, fitted by REML. With the same number n >= 2 of seeds in every split REML has a closed form, the
+    one-way ANOVA's: ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``, ``se(mu)^2 = MSB / (k n)`` when MSB >= MSW,
+    else ``tau^2 = 0`` and the pairs are i.i.d. (Searle, Casella & McCulloch 1992, *Variance Components*, 3.6-3.7);
+    unbalanced, ``statsmodels`` ``MixedLM``.
 
     Returns:
         ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau`` (the
         between-split SD), ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction interval
         for a new split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson & Spiegelhalter
         2009, J. R. Stat. Soc. A 172:137), ``k`` splits, ``n`` pairs, ``splits`` (per split: ``class_split``,
-        ``mean`` difference, ``seeds``, ``covariate``: the mean ``metric`` of method ``covariate`` there) and
-        ``slope``, ``slope_p``, ``r``: the split means regressed on the covariate (``scipy.stats.linregress``).
-        All in the metric's units (fractions).
+        ``mean`` difference, ``seeds``, ``covariate``: the mean ``metric`` of method ``covariate`` there, on
+        the same task, protocol and selection; NaN where it did not run) and ``slope``, ``slope_p``, ``r``:
+        the split means regressed on the covariate (``scipy.stats.linregress``, over the splits that have it;
+        NaN with fewer than 3). All in the metric's units (fractions).
 
     Raises:
-        ValueError: fewer than 3 splits, rows of more than one protocol or selection, as :func:`paired_differences`.
+        ValueError: fewer than 3 splits, a split with one seed (:func:`paired_differences`), rows of more than one task, protocol or
+            selection, an unbalanced fit that does not converge, and as :func:`paired_differences`.
     """
     mcd = [r for r in rows if r.get("method") == "mcd" and r.get("norm", "batch") == "batch"
            and r.get("eval_stats", "running") == "running"]
     pairs = paired_differences(mcd, a, b, metric, GROUP_KEYS, confidence)
-    if len({(d["protocol"], d["selection"], d["task"]) for d in pairs}) > 1:
+    if len(where := {(d["task"], d["protocol"], d["selection"]) for d in pairs}) > 1:
         raise ValueError("split_effects takes the rows of one task, protocol and selection; filter them first.")
     if (k := len(pairs)) < 3:
         raise ValueError(f"a random split effect needs at least 3 class splits with both {a!r} and {b!r}, got {k}.")
-    d = np.concatenate([p["diffs"] for p in pairs])
-    groups = np.repeat(np.arange(k), [len(p["diffs"]) for p in pairs])
-    with warnings.catch_warnings():  # tau^2 at 0 (no split effect) is a valid estimate, not a failed fit
-        warnings.simplefilter("ignore", ConvergenceWarning)
-        fit = MixedLM(d, np.ones((d.size, 1)), groups).fit(reml=True)
-    mu, se, tau2 = float(fit.fe_params[0]), float(fit.bse_fe[0]), max(float(np.asarray(fit.cov_re)[0, 0]), 0.0)
+    sizes = [len(p["diffs"]) for p in pairs]
+    d, n = np.concatenate([p["diffs"] for p in pairs]), sizes[0]
+    if len(set(sizes)) == 1:  # balanced: REML in closed form
+        m = d.reshape(k, n).mean(1)
+        msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
+        mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
+        sigma2 = msw if msb >= msw else float(d.var(ddof=1))
+        se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
+    else:
+        fit = MixedLM(d, np.ones((d.size, 1)), np.repeat(np.arange(k), sizes)).fit(reml=True)
+        if not fit.converged:
+            raise ValueError("the mixed model did not converge on these unbalanced splits; run the same seeds on "
+                             "every split (the balanced fit is exact).")
+        mu, se, tau2, sigma2 = (float(fit.fe_params[0]), float(fit.bse_fe[0]),
+                                max(float(np.asarray(fit.cov_re)[0, 0]), 0.0), float(fit.scale))
     half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
     pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se ** 2)
     cov = {}
     for r in rows:
-        if r.get("method") == covariate and r.get("norm", "batch") == "batch":
+        if r.get("method") == covariate and r.get("norm", "batch") == "batch" and (
+                r.get("task"), r.get("protocol"), r.get("selection")) in where:
             cov.setdefault(r["class_split"], []).append(float(r[metric]))
     splits = [{"class_split": p["class_split"], "mean": float(np.mean(p["diffs"])), "seeds": len(p["diffs"]),
                "covariate": float(np.mean(cov[p["class_split"]])) if p["class_split"] in cov else float("nan")}
               for p in pairs]
     x, y = np.array([s["covariate"] for s in splits]), np.array([s["mean"] for s in splits])
-    reg = stats.linregress(x, y) if np.isfinite(x).all() and np.ptp(x) > 0 else None
+    x, y = x[np.isfinite(x)], y[np.isfinite(x)]
+    reg = stats.linregress(x, y) if x.size >= 3 and np.ptp(x) > 0 else None
     return {"a": a, "b": b, "metric": metric, "mean": mu, "low": mu - half, "high": mu + half, "se": se,
-            "tau": math.sqrt(tau2), "sigma": math.sqrt(float(fit.scale)), "pi_low": mu - pi, "pi_high": mu + pi,
+            "tau": math.sqrt(tau2), "sigma": math.sqrt(sigma2), "pi_low": mu - pi, "pi_high": mu + pi,
             "k": k, "n": int(d.size), "splits": splits, "covariate": covariate,
             "slope": float(reg.slope) if reg else float("nan"), "slope_p": float(reg.pvalue) if reg else float("nan"),
             "r": float(reg.rvalue) if reg else float("nan")}

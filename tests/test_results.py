@@ -9,7 +9,7 @@ import pytest
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-WITH_SCORES = sorted(p.parent for p in RESULTS.glob("*/scores"))
+WITH_SCORES = sorted(p.parent for p in RESULTS.glob("*/results.json") if (p.parent / "scores").is_dir())  # finished runs
 
 
 def by_sklearn(s_id: np.ndarray, s_ood: np.ndarray) -> dict:

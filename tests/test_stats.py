@@ -410,6 +410,7 @@ def anova(rows, k, n):
     return d, d.mean(), np.sqrt(max(msb - msw, 0) / n), np.sqrt(msw), np.sqrt(msb / (k * n))
 
 
+@pytest.mark.filterwarnings("ignore:The MLE may be on the boundary")  # statsmodels' optimiser note
 def test_split_effects_equal_the_balanced_anova_and_the_pooled_split_means():
     from mcd_helpers.stats import split_effects
     rows, k, n = split_rows(), 8, 3
@@ -417,16 +418,20 @@ def test_split_effects_equal_the_balanced_anova_and_the_pooled_split_means():
     out = split_effects(rows)
     assert (out["k"], out["n"]) == (k, k * n)
     assert out["mean"] == pytest.approx(mean, rel=1e-9)
-    assert (out["tau"], out["sigma"], out["se"]) == pytest.approx((tau, sigma, se), rel=1e-4)  # REML by an optimiser
-    assert out["high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 1) * se, rel=1e-4)
-    assert out["pi_high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 2) * np.hypot(tau, se), rel=1e-4)
+    assert (out["tau"], out["sigma"], out["se"]) == pytest.approx((tau, sigma, se), rel=1e-12)
+    assert out["high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 1) * se, rel=1e-12)
+    assert out["pi_high"] - out["mean"] == pytest.approx(st.t.ppf(0.975, k - 2) * np.hypot(tau, se), rel=1e-12)
+    # the same REML by statsmodels' optimiser (converged on this draw), the closed form's independent check
+    from statsmodels.regression.mixed_linear_model import MixedLM
+    fit = MixedLM(d.ravel(), np.ones((d.size, 1)), np.repeat(np.arange(k), n)).fit(reml=True)
+    assert fit.converged and (np.sqrt(np.asarray(fit.cov_re)[0, 0]), fit.bse_fe[0]) == pytest.approx((tau, se), rel=1e-4)
     assert [s["mean"] for s in out["splits"]] == pytest.approx(d.mean(1), rel=1e-12)
     slope, intercept = np.polyfit([s["covariate"] for s in out["splits"]], d.mean(1), 1)
     assert out["slope"] == pytest.approx(slope, rel=1e-9)
     assert out["splits"][2]["covariate"] == pytest.approx(0.62 + 0.003, rel=1e-12)  # MSP mean over seeds 0, 1, 2
     # the report's pooled pair (split as the block) is the same mean and interval: t_{k-1} sd(split means) / sqrt(k)
     pooled = next(p for p in benchmark_tables(rows, "near-ood")[1] if p["class_split"] == "all" and p["metric"] == "auroc")
-    assert (pooled["mean"], pooled["half_width"]) == pytest.approx((out["mean"], out["high"] - out["mean"]), rel=1e-4)
+    assert (pooled["mean"], pooled["half_width"]) == pytest.approx((out["mean"], out["high"] - out["mean"]), rel=1e-12)
     half = st.t.ppf(0.975, k - 1) * se  # the report's line, from the ANOVA by hand
     line = (f"| disjoint | last-epoch | concat − separate | {k} | {k * n} | {100 * mean:+.2f} [{100 * (mean - half):+.2f}, "
             f"{100 * (mean + half):+.2f}] | {100 * tau:.2f} | {100 * sigma:.2f} |")
@@ -440,8 +445,35 @@ def test_split_effects_at_no_split_effect_and_bad_input():
     _, mean, tau, _, _ = anova(rows, 6, 4)
     assert tau == 0  # this draw's between-split mean square is below the within one: tau on the boundary
     out = split_effects(rows)
-    assert out["tau"] < 0.02 * out["sigma"] and out["mean"] == pytest.approx(mean, rel=1e-6)
+    d = anova(rows, 6, 4)[0]  # tau = 0: the 24 pairs are i.i.d., their variance with N - 1 and se = sigma / sqrt(N)
+    assert out["tau"] == 0 and out["mean"] == pytest.approx(mean, rel=1e-12)
+    assert (out["sigma"], out["se"]) == pytest.approx((d.std(ddof=1), d.std(ddof=1) / np.sqrt(24)), rel=1e-12)
     with pytest.raises(ValueError, match="at least 3 class splits"):
         split_effects([r for r in rows if r["class_split"] in ("s0", "s1")])
     with pytest.raises(ValueError, match="one task, protocol and selection"):
         split_effects(rows + [{**r, "protocol": "transductive"} for r in rows])
+    with pytest.raises(ValueError, match="run more seeds"):  # one seed: no within-split variance
+        split_effects([r for r in rows if r["seed"] == 0])
+    far_msp = [{**r, "task": "far-ood", "auroc": 0.99} for r in rows if r["method"] == "msp"]
+    assert split_effects(rows + far_msp)["slope"] == out["slope"]  # the covariate from the same task only
+
+
+@pytest.mark.filterwarnings("ignore:The MLE may be on the boundary")  # statsmodels' optimiser note
+def test_split_effects_unbalanced_is_the_gls_mean_of_its_variance_components():
+    from mcd_helpers.stats import split_effects
+    rows = [r for r in split_rows(k=8, n=4, tau=0.03, seed=2) if not (r["class_split"] in ("s1", "s5") and r["seed"] == 3)]
+    out = split_effects(rows)
+    get = lambda i, s: [r["auroc"] for r in rows if (r["class_split"], r["strategy"]) == (f"s{i}", s)]  # noqa: E731
+    d = [np.subtract(get(i, "concat"), get(i, "separate")) for i in range(8)]
+    w = np.array([1 / (out["tau"] ** 2 + out["sigma"] ** 2 / len(x)) for x in d])  # by hand: a split mean's precision
+    assert [s["seeds"] for s in out["splits"]] == [4, 3, 4, 4, 4, 3, 4, 4]
+    assert out["mean"] == pytest.approx(np.sum(w * [x.mean() for x in d]) / w.sum(), rel=1e-6)
+    assert out["se"] == pytest.approx(1 / np.sqrt(w.sum()), rel=1e-3)
+
+
+def test_an_arm_of_one_class_split_is_left_out_of_the_pooled_split_means():
+    rows = bench_rows(far=False)
+    extra = [{**r, "strategy": "frozen-bn"} for r in rows if r["class_split"] == "a" and r["strategy"] == "separate"]
+    pooled = pooled_summary(rows + extra)  # frozen-bn ran on split a only: nothing to pool over splits
+    assert {g["strategy"] for g in pooled} == {"concat", "separate", None}
+    assert pooled == pooled_summary(rows)
