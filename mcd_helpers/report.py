@@ -128,10 +128,10 @@ def pivot_markdown(summary: Sequence[dict], metric: str = "auroc", selection: st
 def endpoints_markdown(tests: Sequence[dict]) -> str:
     """The table of :func:`mcd_helpers.stats.endpoint_tests`' results: differences in percentage points."""
     lines = [[d["role"], f"{d['a']} − {d['b']}", NAMES[d["metric"]], d["eval_stats"], d["n"], _ci(d, True),
-              f"{d['p_value']:.2g}", f"{d['sign_p']:.2g}", f"{d['holm_p']:.2g}" if d["role"] == "secondary" else "-"]
-             for d in tests]
+              f"{d['p_value']:.2g}", f"{d['sign_p']:.2g}", f"{d['holm_p']:.2g}" if d["role"] == "secondary" else "-",
+              f"{d['tost_p']:.2g}"] for d in tests]
     return markdown_table(["endpoint", "MCD difference", "metric", "statistics", "seeds", "mean ± 95% CI (pp)",
-                           "p (paired t)", "p (sign)", "p (Holm)"], lines, "lllllrrrr")
+                           "p (paired t)", "p (sign)", "p (Holm)", "p (TOST, ±1 pp)"], lines, "lllllrrrrr")
 
 
 def split_effect_tables(rows: Sequence[dict], a: str = "concat", b: str = "separate") -> list[dict]:
@@ -170,7 +170,8 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
         parts.append(f"\nWall time of this run: {seconds / 60:.1f} min (stages found in the cache are not retrained).")
     if endpoints:
         parts += ["", "## Pre-registered endpoints", "", "The first is the primary endpoint; the others are one family, "
-                  "Holm-adjusted. Paired by seed; the sign test is exact (two-sided).", "",
+                  "Holm-adjusted. Paired by seed; the sign test is exact (two-sided); TOST tests equivalence within ±1 pp "
+                  "(p < 0.05: shown equivalent).", "",
                   endpoints_markdown(endpoint_tests(rows, endpoints))]
     if effects := split_effect_tables(rows):
         parts += ["", "## Class split as a random effect", "", "MCD on the BatchNorm network, AUROC, running statistics: "

@@ -15,6 +15,7 @@ import numpy as np
 from scipy import stats
 from statsmodels.regression.mixed_linear_model import MixedLM
 from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.weightstats import ttost_paired
 
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
 
@@ -95,7 +96,8 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
     return out
 
 
-def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], confidence: float = 0.95) -> list[dict]:
+def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], confidence: float = 0.95,
+                   equivalence: float = 0.01) -> list[dict]:
     """The pre-registered endpoints of a benchmark: for each ``(a, b, metric, eval_stats)`` the paired
     differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``), one group per
     :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role`` (``"primary"`` for the first
@@ -103,7 +105,9 @@ def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], con
     non-zero differences, ``scipy.stats.binomtest``; NaN when all are 0) and ``holm_p`` (the paired t
     p-value, or the sign test's where every difference is equal, Holm-adjusted over the secondaries as
     one family, ``statsmodels``' ``multipletests`` (Holm 1979, Scand. J. Statist. 6:65-70); the
-    primary's unadjusted).
+    primary's unadjusted) and ``tost_p``: the two one-sided paired t-tests (TOST, Schuirmann 1987,
+    J. Pharmacokinet. Biopharm. 15:657) that the mean difference lies within ``± equivalence`` (in
+    the metric's units: 0.01 = 1 pp), ``statsmodels``' ``ttost_paired``; p < 0.05 shows equivalence.
 
     Raises:
         ValueError: an endpoint with no pairs in ``rows`` (named), and as :func:`paired_differences`.
@@ -118,7 +122,10 @@ def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], con
         for d in found:
             nonzero = [x for x in d["diffs"] if x != 0]
             sign = stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue if nonzero else float("nan")
-            out.append({**d, "role": "secondary" if i else "primary", "eval_stats": eval_stats, "sign_p": float(sign)})
+            with np.errstate(divide="ignore", invalid="ignore"):  # equal differences: t = ±inf, p 0 or 1
+                tost = ttost_paired(np.asarray(d["diffs"], float), np.zeros(len(d["diffs"])), -equivalence, equivalence)[0]
+            out.append({**d, "role": "secondary" if i else "primary", "eval_stats": eval_stats, "sign_p": float(sign),
+                        "tost_p": float(tost)})
     second = [d for d in out if d["role"] == "secondary"]
     # a t-test p of NaN (every difference equal): the exact sign test's p instead (1 when they are all 0)
     p = [(1.0 if math.isnan(d["sign_p"]) else d["sign_p"]) if math.isnan(d["p_value"]) else d["p_value"] for d in second]

@@ -59,6 +59,9 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert diff("separate", "frozen-bn")[:2] == (-6.03, 2.88)
     mean, half, p, d = diff("concat-both", "concat")
     assert (mean, half) == (0.09, 0.24) and p > 0.4  # Step A's concatenation adds nothing measurable
+    se = d.std(ddof=1) / np.sqrt(len(d))  # TOST within ±1 pp: the larger of the two one-sided p-values
+    tost = max(stats.t.sf((d.mean() + 1) / se, len(d) - 1), stats.t.cdf((d.mean() - 1) / se, len(d) - 1))
+    assert f"{tost:.2g}" == "8.2e-08" and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     mean, half, _, d = diff("frozen-bn-concat", "frozen-bn")
     assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47  # float32 rounding grown over 200 steps
     mean = lambda s, stats_="running": round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
@@ -126,3 +129,55 @@ def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
     for split, line in cells.items():
         name = "all (3 split means)" if split == "all" else split
         assert f"| {name} | " + " | ".join(line) + " |" in docs, (split, line)
+
+
+def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
+    # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA by hand
+    from scipy import stats
+
+    rows = json.loads((RESULTS / "generality" / "results.json").read_text())
+    v = {(r["class_split"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd"}
+    msp = {}
+    for r in rows:
+        if r["method"] == "msp":
+            msp.setdefault(r["class_split"], []).append(100 * r["auroc"])
+    splits = sorted({s for s, _, _ in v})
+    d = np.array([[v[s, "concat", i] - v[s, "separate", i] for i in range(3)] for s in splits])  # k x n
+    k, n = d.shape
+    means = d.mean(1)
+    msb, msw = n * means.var(ddof=1), ((d - means[:, None]) ** 2).sum() / (k * (n - 1))
+    tau2, se = (msb - msw) / n, np.sqrt(msb / (k * n))
+    half, pi = stats.t.ppf(0.975, k - 1) * se, stats.t.ppf(0.975, k - 2) * np.sqrt(tau2 + se ** 2)
+    got = [round(x, 2) for x in (d.mean(), d.mean() - half, d.mean() + half, np.sqrt(tau2), np.sqrt(msw),
+                                 d.mean() - pi, d.mean() + pi)]
+    assert (k, n, msb > msw) == (30, 3, True)
+    assert got == [2.67, 1.50, 3.84, 2.10, 4.01, -1.80, 7.14] and (means > 0).sum() == 28
+    x = np.array([np.mean(msp[s]) for s in splits])
+    slope, r = np.polyfit(x, means, 1)[0], np.corrcoef(x, means)[0, 1]
+    assert (round(slope, 2), round(r, 2)) == (-0.08, -0.28)
+    docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text().replace("−", "-")
+    readme = (RESULTS.parents[1] / "README.md").read_text().replace("−", "-")
+    for text in (docs, readme):
+        assert "+2.67 [+1.50, +3.84]" in text and "[-1.80, +7.14]" in text and "28 of 30" in text
+    rest = np.delete(means, means.argmax())  # docs: without the largest split
+    assert (round(rest.mean(), 2), round(stats.t.ppf(0.975, k - 2) * rest.std(ddof=1) / np.sqrt(k - 1), 2)) == (2.21, 0.73)
+    assert "+2.21 ± 0.73" in docs
+
+
+def test_the_deeper_network_endpoint_docs_quote():
+    # docs/near-ood.md "Depth", README: concat - separate on resnet_20 and on small_cnn's primary seeds 0-9
+    from scipy import stats
+
+    def endpoint(folder):
+        rows = json.loads((RESULTS / folder / "results.json").read_text())
+        v = {(r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd" and r["eval_stats"] == "running"}
+        d = np.array([v["concat", s] - v["separate", s] for s in range(10)])
+        arms = [round(np.mean([v[a, s] for s in range(10)]), 2) for a in ("separate", "concat")]
+        return arms, round(d.mean(), 2), round(stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10), 2), int((d > 0).sum()), d
+
+    deep, shallow = endpoint("depth"), endpoint("primary")
+    assert {r["model"] for r in json.loads((RESULTS / "depth" / "results.json").read_text())} == {"resnet_20"}
+    assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == ([83.54, 90.83], 7.29, 5.16, 10)
+    assert int((deep[4] > shallow[4]).sum()) == 8  # seed by seed, the deeper network's effect is larger
+    docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    assert "| `resnet_20` | 77.22 | 90.49 | +13.27 ± 3.27 |" in docs and "+13.27" in (RESULTS.parents[1] / "README.md").read_text()

@@ -350,6 +350,12 @@ def _sign_p_by_hand(k, n):
     return min(1.0, 2 * min(lower, upper))
 
 
+def _tost_p_by_hand(d, margin):
+    """Two one-sided t-tests of mean(d) > -margin and mean(d) < margin: the larger of their p-values."""
+    se, df = np.std(d, ddof=1) / np.sqrt(len(d)), len(d) - 1
+    return max(st.t.sf((np.mean(d) + margin) / se, df), st.t.cdf((np.mean(d) - margin) / se, df))
+
+
 def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
     rng, rows = np.random.RandomState(0), []
     base = dict(task="near-ood", class_split="a", protocol="disjoint", selection="last-epoch", method="mcd", norm="batch")
@@ -368,6 +374,12 @@ def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
         diffs = np.subtract(xa, xb)
         assert d["diffs"] == pytest.approx(diffs, abs=1e-15) and d["p_value"] == pytest.approx(p_by_hand(diffs), rel=1e-9)
         assert d["sign_p"] == pytest.approx(_sign_p_by_hand(int((diffs > 0).sum()), len(diffs)), rel=1e-12)
+        assert d["tost_p"] == pytest.approx(_tost_p_by_hand(diffs, 0.01), rel=1e-9)
+    assert out[0]["tost_p"] > 0.5  # a 2 pp effect is not within ±1 pp
+    null = [{**base, "strategy": s, "seed": i, "eval_stats": "running", "auroc": 0.8 + (0.002 * (i % 2) if s == "concat" else 0)}
+            for s in ("concat", "separate") for i in range(6)]  # differences 0, 0.2 pp, 0, ...: within ±1 pp
+    d0 = endpoint_tests(null, ends[:1])[0]
+    assert d0["tost_p"] == pytest.approx(_tost_p_by_hand(np.array(d0["diffs"]), 0.01), rel=1e-9) and d0["tost_p"] < 1e-5
     assert out[0]["holm_p"] == out[0]["p_value"]
     assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([d["p_value"] for d in out[1:]]), rel=1e-12)
     with pytest.raises(ValueError, match=r"endpoint concat-both - separate \(auroc, running statistics\) has no paired rows"):
