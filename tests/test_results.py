@@ -64,6 +64,9 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert f"{tost:.2g}" == "8.2e-08" and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     mean, half, _, d = diff("frozen-bn-concat", "frozen-bn")
     assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47  # float32 rounding grown over 200 steps
+    se = d.std(ddof=1) / np.sqrt(len(d))
+    tost = max(stats.t.sf((d.mean() + 1) / se, len(d) - 1), stats.t.cdf((d.mean() - 1) / se, len(d) - 1))
+    assert f"{tost:.2g}" == "2.2e-16" and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     mean = lambda s, stats_="running": round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
     assert [mean(s) for s in ("separate", "frozen-bn", "concat")] == [84.15, 90.17, 91.10]
     assert mean("separate", "recalibrated") == 78.13 < mean("separate")  # its running statistics rescue part
@@ -152,6 +155,10 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
                                  d.mean() - pi, d.mean() + pi)]
     assert (k, n, msb > msw) == (30, 3, True)
     assert got == [2.67, 1.50, 3.84, 2.10, 4.01, -1.80, 7.14] and (means > 0).sum() == 28
+    from mcd_helpers.stats import split_effects  # the package's fit, which the notebook and summary.md show
+
+    fit = split_effects(rows)
+    assert [round(100 * fit[k], 2) for k in ("mean", "low", "high", "tau", "sigma", "pi_low", "pi_high")] == got
     x = np.array([np.mean(msp[s]) for s in splits])
     slope, r = np.polyfit(x, means, 1)[0], np.corrcoef(x, means)[0, 1]
     assert (round(slope, 2), round(r, 2)) == (-0.08, -0.28)
@@ -159,6 +166,7 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     readme = (RESULTS.parents[1] / "README.md").read_text().replace("−", "-")
     for text in (docs, readme):
         assert "+2.67 [+1.50, +3.84]" in text and "[-1.80, +7.14]" in text and "28 of 30" in text
+    assert "| 2.10 / 4.01 |" in docs and "| -0.08, p = 0.14 (r = -0.28) |" in docs
     rest = np.delete(means, means.argmax())  # docs: without the largest split
     assert (round(rest.mean(), 2), round(stats.t.ppf(0.975, k - 2) * rest.std(ddof=1) / np.sqrt(k - 1), 2)) == (2.21, 0.73)
     assert "+2.21 ± 0.73" in docs
@@ -178,6 +186,14 @@ def test_the_deeper_network_endpoint_docs_quote():
     deep, shallow = endpoint("depth"), endpoint("primary")
     assert {r["model"] for r in json.loads((RESULTS / "depth" / "results.json").read_text())} == {"resnet_20"}
     assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == ([83.54, 90.83], 7.29, 5.16, 10)
-    assert int((deep[4] > shallow[4]).sum()) == 8  # seed by seed, the deeper network's effect is larger
+    gap = deep[4] - shallow[4]  # seed by seed: resnet_20's effect minus small_cnn's
+    half = stats.t.ppf(0.975, 9) * gap.std(ddof=1) / np.sqrt(10)
+    assert int((gap > 0).sum()) == 8 and f"by +{gap.mean():.2f} points, 95% CI [{gap.mean() - half:+.2f}, {gap.mean() + half:+.2f}]" \
+        == "by +5.99 points, 95% CI [-0.37, +12.34]"  # larger in the mean, not resolved
+    v = {(r["strategy"], r["seed"]): r for r in json.loads((RESULTS / "depth" / "results.json").read_text()) if r["method"] == "mcd"}
+    for metric, said in (("fpr95", "-44.47 ± 5.10"), ("id_accuracy", "+0.30 ± 0.59")):
+        d = 100 * np.array([v["concat", i][metric] - v["separate", i][metric] for i in range(10)])
+        assert f"{d.mean():+.2f} ± {stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10):.2f}" == said
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    assert "by +5.99 points, 95% CI [−0.37, +12.34]" in docs and "FPR95 −44.47 ± 5.10" in docs and "+0.30 ± 0.59" in docs
     assert "| `resnet_20` | 77.22 | 90.49 | +13.27 ± 3.27 |" in docs and "+13.27" in (RESULTS.parents[1] / "README.md").read_text()
