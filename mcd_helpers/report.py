@@ -15,7 +15,7 @@ from typing import Sequence
 from .files import atomic_write, write_buffered
 from .metrics import METRIC_KEYS
 from .plots import NAMES, forest_plot, plot_by_protocol, protocol_order
-from .stats import GROUP_KEYS, endpoint_tests, paired_differences, split_effects, summarize
+from .stats import EQUIVALENCE, GROUP_KEYS, endpoint_tests, paired_differences, split_effects, summarize
 
 KEYS = GROUP_KEYS + ("ood_dataset", "norm", "dose")  # a group: task, split, protocol, selection, method, OOD, network, dose
 RECAL = " (recalibrated)"  # a strategy evaluated with recalibrated statistics (eval_stats) is its own arm here
@@ -131,7 +131,7 @@ def endpoints_markdown(tests: Sequence[dict]) -> str:
               f"{d['p_value']:.2g}", f"{d['sign_p']:.2g}", f"{d['holm_p']:.2g}" if d["role"] == "secondary" else "-",
               f"{d['tost_p']:.2g}"] for d in tests]
     return markdown_table(["endpoint", "MCD difference", "metric", "statistics", "seeds", "mean ± 95% CI (pp)",
-                           "p (paired t)", "p (sign)", "p (Holm)", "p (TOST, ±1 pp)"], lines, "lllllrrrrr")
+                           "p (paired t)", "p (sign)", "p (Holm)", f"p (TOST, ±{100 * EQUIVALENCE:g} pp)"], lines, "lllllrrrrr")
 
 
 def split_effect_tables(rows: Sequence[dict], a: str = "concat", b: str = "separate") -> list[dict]:
@@ -170,8 +170,8 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
         parts.append(f"\nWall time of this run: {seconds / 60:.1f} min (stages found in the cache are not retrained).")
     if endpoints:
         parts += ["", "## Pre-registered endpoints", "", "The first is the primary endpoint; the others are one family, "
-                  "Holm-adjusted. Paired by seed; the sign test is exact (two-sided); TOST tests equivalence within ±1 pp "
-                  "(p < 0.05: shown equivalent).", "",
+                  "Holm-adjusted. Paired by seed; the sign test is exact (two-sided); TOST tests equivalence within "
+                  f"±{100 * EQUIVALENCE:g} pp (p < 0.05: shown equivalent).", "",
                   endpoints_markdown(endpoint_tests(rows, endpoints))]
     if effects := split_effect_tables(rows):
         parts += ["", "## Class split as a random effect", "", "MCD on the BatchNorm network, AUROC, running statistics: "

@@ -18,6 +18,7 @@ from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_paired
 
 GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
+EQUIVALENCE = 0.01  # TOST margin of endpoint_tests, in the metric's units: 1 pp
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95, where: str = "") -> dict:
@@ -97,7 +98,7 @@ def paired_differences(rows: Sequence[dict], a: str = "concat", b: str = "separa
 
 
 def endpoint_tests(rows: Sequence[dict], endpoints: Sequence[Sequence[str]], confidence: float = 0.95,
-                   equivalence: float = 0.01) -> list[dict]:
+                   equivalence: float = EQUIVALENCE) -> list[dict]:
     """The pre-registered endpoints of a benchmark: for each ``(a, b, metric, eval_stats)`` the paired
     differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``), one group per
     :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role`` (``"primary"`` for the first

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from scipy import stats
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -19,6 +20,17 @@ def by_sklearn(s_id: np.ndarray, s_ood: np.ndarray) -> dict:
     fpr, tpr, _ = roc_curve(1 - y_ood, -s, drop_intermediate=False)
     return {"auroc": roc_auc_score(y_ood, s), "aupr_in": average_precision_score(1 - y_ood, -s),
             "aupr_out": average_precision_score(y_ood, s), "fpr95": fpr[np.argmax(tpr * len(s_id) >= 0.95 * len(s_id) - 1e-9)]}
+
+
+def half_width(d: np.ndarray) -> float:
+    """The 95% Student-t half-width of the mean of ``d`` (scipy by hand)."""
+    return stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
+
+
+def tost_p(d: np.ndarray, margin: float = 1.0) -> float:
+    """TOST within ±margin: the larger p of the one-sided t-tests mean > -margin and mean < margin."""
+    se, df = d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
+    return max(stats.t.sf((d.mean() + margin) / se, df), stats.t.cdf((d.mean() - margin) / se, df))
 
 
 def test_some_results_commit_their_scores():
@@ -40,16 +52,13 @@ def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder
 
 def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     # README "The reference answer under BatchNorm" and docs/near-ood.md; recomputed here with scipy alone
-    from scipy import stats
-
     rows = json.loads((RESULTS / "primary" / "results.json").read_text())
     v = {(r["strategy"], r["eval_stats"], r["seed"]): r for r in rows if r["method"] == "mcd"}
     seeds = sorted({r["seed"] for r in rows})
 
     def diff(a, b, stats_="running", metric="auroc"):
         d = 100 * np.array([v[a, stats_, s][metric] - v[b, stats_, s][metric] for s in seeds])
-        half = stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
-        return round(d.mean(), 2), round(half, 2), stats.ttest_1samp(d, 0).pvalue, d
+        return round(d.mean(), 2), round(half_width(d), 2), stats.ttest_1samp(d, 0).pvalue, d
 
     mean, half, p, d = diff("concat", "separate")
     assert seeds == list(range(20)) and (mean, half) == (6.96, 3.14) and 1e-4 < p < 2e-4 and (d > 0).all()
@@ -59,14 +68,10 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert diff("separate", "frozen-bn")[:2] == (-6.03, 2.88)
     mean, half, p, d = diff("concat-both", "concat")
     assert (mean, half) == (0.09, 0.24) and p > 0.4  # Step A's concatenation adds nothing measurable
-    se = d.std(ddof=1) / np.sqrt(len(d))  # TOST within ±1 pp: the larger of the two one-sided p-values
-    tost = max(stats.t.sf((d.mean() + 1) / se, len(d) - 1), stats.t.cdf((d.mean() - 1) / se, len(d) - 1))
-    assert f"{tost:.2g}" == "8.2e-08" and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    assert f"{tost_p(d):.2g}" == "8.2e-08" and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     mean, half, _, d = diff("frozen-bn-concat", "frozen-bn")
     assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47  # float32 rounding grown over 200 steps
-    se = d.std(ddof=1) / np.sqrt(len(d))
-    tost = max(stats.t.sf((d.mean() + 1) / se, len(d) - 1), stats.t.cdf((d.mean() - 1) / se, len(d) - 1))
-    assert f"{tost:.2g}" == "2.2e-16" and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    assert f"{tost_p(d):.2g}" == "2.2e-16" and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     mean = lambda s, stats_="running": round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
     assert [mean(s) for s in ("separate", "frozen-bn", "concat")] == [84.15, 90.17, 91.10]
     assert mean("separate", "recalibrated") == 78.13 < mean("separate")  # its running statistics rescue part
@@ -77,14 +82,12 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
 
 def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
     # docs/near-ood.md, "Dose-response in fine-tuning length": recomputed from the committed rows
-    from scipy import stats
-
     rows = json.loads((RESULTS / "dose-length" / "results.json").read_text())
     v = {(r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
     table = {}
     for steps in (30, 60, 120, 240, 480):
         d = 100 * np.array([v[steps, "concat", s] - v[steps, "separate", s] for s in range(10)])
-        half = stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10)
+        half = half_width(d)
         table[steps] = (round(d.mean(), 2), round(half, 2), int((d > 0).sum()))
     assert table == {30: (1.71, 1.55, 9), 60: (4.63, 1.22, 10), 120: (4.75, 2.48, 10), 240: (6.98, 2.49, 10),
                      480: (11.65, 7.39, 10)}
@@ -95,15 +98,13 @@ def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
 
 def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_same_network():
     # docs/near-ood.md, "Dose-response in the margin"
-    from scipy import stats
-
     rows = json.loads((RESULTS / "dose-margin" / "results.json").read_text())
     v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"]
          for r in rows if r["method"] == "mcd"}
     table = {}
     for m in ("0.35", "0.7", "1.2", "2.0"):
         d = 100 * np.array([v[f"margin={m}", "concat", s] - v[f"margin={m}", "separate", s] for s in range(10)])
-        table[m] = (round(d.mean(), 2), round(stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10), 2), int((d > 0).sum()))
+        table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
     assert table == {"0.35": (2.89, 2.02, 9), "0.7": (5.92, 2.45, 10), "1.2": (7.29, 5.16, 10), "2.0": (7.29, 5.16, 10)}
     assert all(v["margin=1.2", s, i] == v["margin=2.0", s, i] for s in ("concat", "separate") for i in range(10))
     primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
@@ -113,12 +114,10 @@ def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_
 
 def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
     # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
-    from scipy import stats
-
     rows = [r for r in json.loads((RESULTS / "near-ood" / "results.json").read_text())
             if (r["task"], r["method"], r["norm"], r["selection"]) == ("near-ood", "mcd", "batch", "ood-labels")]
     v = {(r["class_split"], r["protocol"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows}
-    ci = lambda d: (d.mean(), stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d)))  # noqa: E731
+    ci = lambda d: (d.mean(), half_width(d))  # noqa: E731
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text().replace("−", "-")
     cells = {"all": []}
     for split in "abc":
@@ -136,8 +135,6 @@ def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
 
 def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA by hand
-    from scipy import stats
-
     rows = json.loads((RESULTS / "generality" / "results.json").read_text())
     v = {(r["class_split"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd"}
     msp = {}
@@ -168,32 +165,30 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
         assert "+2.67 [+1.50, +3.84]" in text and "[-1.80, +7.14]" in text and "28 of 30" in text
     assert "| 2.10 / 4.01 |" in docs and "| -0.08, p = 0.14 (r = -0.28) |" in docs
     rest = np.delete(means, means.argmax())  # docs: without the largest split
-    assert (round(rest.mean(), 2), round(stats.t.ppf(0.975, k - 2) * rest.std(ddof=1) / np.sqrt(k - 1), 2)) == (2.21, 0.73)
+    assert (round(rest.mean(), 2), round(half_width(rest), 2)) == (2.21, 0.73)
     assert "+2.21 ± 0.73" in docs
 
 
 def test_the_deeper_network_endpoint_docs_quote():
     # docs/near-ood.md "Depth", README: concat - separate on resnet_20 and on small_cnn's primary seeds 0-9
-    from scipy import stats
-
     def endpoint(folder):
         rows = json.loads((RESULTS / folder / "results.json").read_text())
         v = {(r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd" and r["eval_stats"] == "running"}
         d = np.array([v["concat", s] - v["separate", s] for s in range(10)])
         arms = [round(np.mean([v[a, s] for s in range(10)]), 2) for a in ("separate", "concat")]
-        return arms, round(d.mean(), 2), round(stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10), 2), int((d > 0).sum()), d
+        return arms, round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()), d
 
     deep, shallow = endpoint("depth"), endpoint("primary")
     assert {r["model"] for r in json.loads((RESULTS / "depth" / "results.json").read_text())} == {"resnet_20"}
     assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == ([83.54, 90.83], 7.29, 5.16, 10)
     gap = deep[4] - shallow[4]  # seed by seed: resnet_20's effect minus small_cnn's
-    half = stats.t.ppf(0.975, 9) * gap.std(ddof=1) / np.sqrt(10)
+    half = half_width(gap)
     assert int((gap > 0).sum()) == 8 and f"by +{gap.mean():.2f} points, 95% CI [{gap.mean() - half:+.2f}, {gap.mean() + half:+.2f}]" \
         == "by +5.99 points, 95% CI [-0.37, +12.34]"  # larger in the mean, not resolved
     v = {(r["strategy"], r["seed"]): r for r in json.loads((RESULTS / "depth" / "results.json").read_text()) if r["method"] == "mcd"}
     for metric, said in (("fpr95", "-44.47 ± 5.10"), ("id_accuracy", "+0.30 ± 0.59")):
         d = 100 * np.array([v["concat", i][metric] - v["separate", i][metric] for i in range(10)])
-        assert f"{d.mean():+.2f} ± {stats.t.ppf(0.975, 9) * d.std(ddof=1) / np.sqrt(10):.2f}" == said
+        assert f"{d.mean():+.2f} ± {half_width(d):.2f}" == said
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     assert "by +5.99 points, 95% CI [−0.37, +12.34]" in docs and "FPR95 −44.47 ± 5.10" in docs and "+0.30 ± 0.59" in docs
     assert "| `resnet_20` | 77.22 | 90.49 | +13.27 ± 3.27 |" in docs and "+13.27" in (RESULTS.parents[1] / "README.md").read_text()
