@@ -66,6 +66,7 @@ class MCDConfig:
     selection: str = "ood-labels"  # ood-labels (official: best validation AUROC) | last-epoch
     n_holdout: int = 6000  # disjoint / unseen-ood: ID training images held out as the unlabeled pool's ID part
     unlabeled_ood: str = "digits"  # unseen-ood: the source of the unlabeled OOD images (the test OOD: held-out classes)
+    unlabeled_ood_fraction: float = 1.0  # disjoint / unseen-ood: fraction of the pool's unlabeled OOD images kept
 
     # --- model ---
     model: str = "small_cnn"  # small_cnn | resnet_20 | densenet_bc_100 | wrn_28_10
@@ -90,6 +91,7 @@ class MCDConfig:
     batch_size_sup: int = 128  # labeled ID images per step (official train.py: 128)
     batch_size_unsup: int = 128  # unlabeled images per step (official: the same loader batch size, 128)
     margin: float = 1.2  # nats, official default
+    bn_momentum: float = 0.1  # BatchNorm's running-statistics momentum in fine-tuning (PyTorch's and the official 0.1)
 
     # --- baselines: ODIN's grid (paper Sec. 4.2: T in 1..1000, eps in 0..0.004), a coarser one of the same range ---
     odin_temperatures: tuple[float, ...] = (1.0, 10.0, 100.0, 1000.0)  # ODIN: softmax temperatures T searched
@@ -122,7 +124,8 @@ class MCDConfig:
                     "pretrain_epochs": 1, "pretrain_batch_size": 1, "finetune_epochs": 1, "steps_per_epoch": 0,
                     "batch_size_sup": 1, "batch_size_unsup": 1, "eval_batch_size": 1, "num_threads": 0,
                     "checkpoint_every": 0, "seed": 0, "split_seed": 0, "margin": 0.0, "pretrain_momentum": 0.0,
-                    "finetune_momentum": 0.0, "pretrain_weight_decay": 0.0, "finetune_weight_decay": 0.0}
+                    "finetune_momentum": 0.0, "pretrain_weight_decay": 0.0, "finetune_weight_decay": 0.0,
+                    "unlabeled_ood_fraction": 0.0, "bn_momentum": 0.0}
         for name, low in at_least.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
@@ -148,6 +151,11 @@ class MCDConfig:
              f"class_split needs fashion_mnist, got id_dataset {self.id_dataset!r}"),
             ("protocol", self.protocol == "transductive" or self.class_split,
              f"protocol {self.protocol!r} needs a class_split (held-out classes); the OOD-set tasks are transductive"),
+            ("bn_momentum", self.bn_momentum <= 1, f"bn_momentum must be at most 1 (1 keeps only the last batch's "
+                                                   f"statistics), got {self.bn_momentum}"),
+            ("unlabeled_ood_fraction", self.unlabeled_ood_fraction <= 1 and (self.protocol != "transductive" or
+                                        self.unlabeled_ood_fraction == 1), "unlabeled_ood_fraction must be at most 1, "
+             f"and 1 under protocol transductive (its unlabeled set is the test set), got {self.unlabeled_ood_fraction}"),
             ("odin_temperatures", self.odin_temperatures and all(0 < t < math.inf for t in self.odin_temperatures),
              f"ODIN's grid needs finite temperatures > 0, got {self.odin_temperatures}"),
             ("odin_epsilons", self.odin_epsilons and all(0 <= e < math.inf for e in self.odin_epsilons),

@@ -88,7 +88,8 @@ def make_split(cfg, data: Data, ood: str) -> Split:
     if ood == HELD_OUT:  # rank 0 loads (downloads) first
         far = images(cfg.unlabeled_ood, cfg.seed + 1) if cfg.protocol == "unseen-ood" else None
         return protocol_split(cfg.protocol, x_tr, y_tr, x_te, y_te, *class_split(cfg.class_split), n_val=cfg.n_val,
-                              seed=cfg.split_seed, n_holdout=cfg.n_holdout, far_ood_train=far)
+                              seed=cfg.split_seed, n_holdout=cfg.n_holdout, far_ood_train=far,
+                              ood_fraction=cfg.unlabeled_ood_fraction)
     if cfg.class_split:
         ids = class_split(cfg.class_split)[0]
         (x_tr, y_tr), (x_te, y_te) = keep_classes(x_tr, y_tr, ids), keep_classes(x_te, y_te, ids)

@@ -119,7 +119,7 @@ def keep_classes(x: torch.Tensor, y: torch.Tensor, classes) -> tuple[torch.Tenso
 
 def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, x_test: torch.Tensor,
                    y_test: torch.Tensor, id_classes, ood_classes, *, n_val: int, seed: int, n_holdout: int,
-                   far_ood_train: torch.Tensor | None = None) -> Split:
+                   far_ood_train: torch.Tensor | None = None, ood_fraction: float = 1.0) -> Split:
     """The split of a held-out-class task under ``protocol``; every permutation ``RandomState(seed)``'s.
 
     Let ID_tr / OOD_tr be the training images of the ID / OOD classes, ID_te / OOD_te the test ones.
@@ -129,7 +129,8 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
     * ``disjoint``: ID_tr permuted, its first ``n_holdout`` go (unlabeled) to the pool, the rest are
       ``x_sup``; OOD_tr permuted, its first ``min(len, round(n_holdout * |OOD_te| / |ID_te|))`` join
       the pool (the test set's ID:OOD ratio); the first ``n_val`` of the pool's ID and OOD parts are
-      validation, the rest ``x_unsup`` (ID part first). The test set is never trained on.
+      validation, the rest ``x_unsup`` (ID part first), of whose OOD part the first ``round(ood_fraction * n)``
+      of ``n`` are kept (the OOD share of the unlabeled set as a dose). The test set is never trained on.
     * ``unseen-ood``: as disjoint, the pool's OOD part from ``far_ood_train`` instead of OOD_tr.
 
     Raises:
@@ -156,6 +157,7 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
                                    "images, the first n_val of each go to validation and one must be left.")
     p_tr, pool_ood = _perm(len(x_id_tr), seed), _perm(len(ood_src), seed)[:n_ood]
     pool_id, sup = p_tr[:n_holdout], p_tr[n_holdout:]
-    return Split(x_id_tr[sup], y_id_tr[sup], torch.cat([x_id_tr[pool_id[n_val:]], ood_src[pool_ood[n_val:]]]),
+    unsup_ood = pool_ood[n_val:][:round(ood_fraction * (n_ood - n_val))]
+    return Split(x_id_tr[sup], y_id_tr[sup], torch.cat([x_id_tr[pool_id[n_val:]], ood_src[unsup_ood]]),
                  x_id_tr[pool_id[:n_val]], y_id_tr[pool_id[:n_val]], ood_src[pool_ood[:n_val]],
                  test.test_id_x, test.test_id_y, test.test_ood_x)

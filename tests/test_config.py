@@ -102,6 +102,12 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
     (dict(odin_epsilons=(0.0, -0.001)), "odin_epsilons", "ODIN's grid needs finite epsilons >= 0"),
     (dict(odin_epsilons=(0.0, float("nan"))), "odin_epsilons", "ODIN's grid needs finite epsilons >= 0"),
     (dict(class_split="01a/23"), "class_split", "unknown class split '01a/23'"),
+    (dict(bn_momentum=1.5), "bn_momentum", r"bn_momentum must be at most 1 \(1 keeps only the last batch's"),
+    (dict(bn_momentum=-0.1), "bn_momentum", "bn_momentum must be a finite number >= 0.0"),
+    (dict(class_split="a", protocol="disjoint", unlabeled_ood_fraction=1.2), "unlabeled_ood_fraction",
+     "unlabeled_ood_fraction must be at most 1"),
+    (dict(class_split="a", unlabeled_ood_fraction=0.5), "unlabeled_ood_fraction",
+     r"and 1 under protocol transductive \(its unlabeled set is the test set\), got 0.5"),
     (dict(class_split="012/23"), "class_split", "lists a class twice or on both sides"),
 ])
 def test_settings_that_cannot_work(kw, field, match):

@@ -112,6 +112,26 @@ def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_
     assert all(v["margin=1.2", s, i] == primary[s, i] for s in ("concat", "separate") for i in range(10))
 
 
+def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primarys_networks():
+    # docs/near-ood.md, "Dose-response in the OOD share"; fraction f keeps round(2460 f) of the pool's OOD images
+    rows = json.loads((RESULTS / "dose-ood-share" / "results.json").read_text())
+    v = {(float(r["dose"].split("=")[1]), r["strategy"], r["seed"]): r for r in rows if r["method"] == "mcd"}
+    table = {}
+    for f in (0.0, 0.125, 0.25, 0.5, 1.0):
+        d = 100 * np.array([v[f, "concat", s]["auroc"] - v[f, "separate", s]["auroc"] for s in range(10)])
+        fpr = 100 * np.mean([v[f, "concat", s]["fpr95"] - v[f, "separate", s]["fpr95"] for s in range(10)])
+        share = round(100 * round(2460 * f) / (3940 + round(2460 * f)), 1)
+        table[share] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()), round(fpr, 2))
+    assert table == {0.0: (3.53, 1.71, 10, -1.34), 7.3: (2.14, 1.03, 10, -2.93), 13.5: (3.98, 2.03, 10, -9.87),
+                     23.8: (6.63, 3.41, 10, -16.86), 38.4: (7.29, 5.16, 10, -21.92)}
+    arm = lambda f, s: round(100 * np.mean([v[f, s, i]["auroc"] for i in range(10)]), 2)  # noqa: E731
+    msp = round(100 * np.mean([r["auroc"] for r in rows if r["method"] == "msp" and r["dose"].endswith("=0.0")]), 2)
+    assert (arm(0.0, "separate"), arm(0.0, "concat"), msp) == (55.87, 59.4, 58.29)  # no OOD to find: near chance
+    primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
+               if r["method"] == "mcd" and r["eval_stats"] == "running"}  # the whole pool: the primary's setting
+    assert all(v[1.0, s, i]["auroc"] == primary[s, i] for s in ("concat", "separate") for i in range(10))
+
+
 def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
     # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
     rows = [r for r in json.loads((RESULTS / "near-ood" / "results.json").read_text())

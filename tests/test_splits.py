@@ -169,6 +169,16 @@ def test_the_pool_keeps_the_test_sets_id_to_ood_ratio(n_holdout, n_ood_pool):
     assert len(ood) == n_ood_pool == round(n_holdout * 40 / 60) and {i % 10 for i in ood} <= {6, 7, 8, 9}
 
 
+@pytest.mark.parametrize("fraction, kept", [(0.0, 0), (0.25, 2), (0.5, 5), (1.0, 10)])
+def test_the_unlabeled_set_keeps_the_first_fraction_of_its_ood_images(fraction, kept):
+    full = split("disjoint", name="b")  # 17 ID + 10 OOD unlabeled (13 pool OOD, 3 to validation)
+    s = protocol_split("disjoint", X_TR, Y_TR, X_TE, Y_TE, *class_split("b"), n_val=3, seed=3, n_holdout=20,
+                       ood_fraction=fraction)
+    assert ids(s.x_unsup) == ids(full.x_unsup)[:17 + kept]  # round(fraction * 10), the ID part whole
+    for name in ("x_sup", "val_id_x", "val_ood_x", "test_id_x", "test_ood_x"):
+        assert ids(getattr(s, name)) == ids(getattr(full, name)), name
+
+
 def test_the_pool_takes_at_most_every_far_ood_image():
     u = split("unseen-ood", name="a", n_val=2, n_holdout=50)  # 33 wanted, the far set has 30: all of it
     assert sorted(ids(u.val_ood_x) + ids(u.x_unsup)[48:]) == FAR_IDS

@@ -214,6 +214,31 @@ def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_s
                                        for a, b in zip(bns(_model().double()), bns(nets["frozen-bn"])))
 
 
+@pytest.mark.parametrize("momentum", [0.0, 1.0])
+def test_bn_momentum_changes_the_running_statistics_and_not_the_weights(momentum):
+    """One iteration at bn_momentum 0 or 1 equals the one written out with nn.BatchNorm2d(momentum=...); the weights
+    equal those at the default 0.1 (train mode normalises with the batch's statistics); momentum 0 keeps the
+    pre-trained running statistics, 1 replaces them."""
+    split, model = _split(torch.float64), _model().double()
+    cfg, default = _cfg(finetune_epochs=1, steps_per_epoch=1, bn_momentum=momentum), _cfg(finetune_epochs=1, steps_per_epoch=1)
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = momentum
+    i_sup, i_unsup = _perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8]
+    want, _ = _by_hand(ref, split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup], cfg, "separate")
+    got, usual = copy.deepcopy(model), copy.deepcopy(model)
+    train(got, split, cfg, "separate", progress=False)
+    train(usual, split, default, "separate", progress=False)
+    for (k, a), b in zip(want.state_dict().items(), got.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=k)
+    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), usual.parameters()))  # the same weights
+    stats = lambda net: [m.running_mean for m in net.modules() if isinstance(m, nn.BatchNorm2d)]  # noqa: E731
+    before, after, at_default = stats(model), stats(got), stats(usual)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)) == (momentum == 0)
+    assert min((a - b).abs().max().item() for a, b in zip(after, at_default)) > 1e-6
+
+
 # ---- learning rate, history, model selection -------------------------------------------------------
 
 @pytest.mark.parametrize("strategy, milestones, factors", [
