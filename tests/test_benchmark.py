@@ -26,7 +26,7 @@ needs_fmnist = pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="datase
 
 @pytest.mark.parametrize("kwargs, field, match", [
     (dict(preset="bogus"), "preset", r"unknown benchmark preset 'bogus'; valid: near-ood-quick, near-ood, primary, dose-length, "
-                                     r"dose-margin, generality, depth, near-ood-tiny\."),
+                                     r"dose-margin, dose-ood-share, dose-momentum, generality, depth, near-ood-tiny\."),
     (dict(seeds=1), "seeds", r"seeds must be an integer in \[2, 5\] for 'near-ood-quick', got 1\."),
     (dict(seeds=6), "seeds", r"\[2, 5\] for 'near-ood-quick', got 6\."),
     (dict(seeds=True), "seeds", r"got True\."),
