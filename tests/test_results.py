@@ -132,6 +132,30 @@ def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primary
     assert all(v[1.0, s, i]["auroc"] == primary[s, i] for s in ("concat", "separate") for i in range(10))
 
 
+def test_bn_momentum_moves_only_the_running_statistics_and_the_effect_hardly():
+    # docs/near-ood.md, "Dose-response in BatchNorm's momentum": the weights are the same at every momentum
+    rows = json.loads((RESULTS / "dose-momentum" / "results.json").read_text())
+    v = {(float(r["dose"].split("=")[1]), r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
+         for r in rows if r["method"] == "mcd"}
+    momenta, arms = (0.01, 0.03, 0.1, 0.3, 1.0), ("concat", "separate")
+    table = {}
+    for m in momenta:
+        d = 100 * np.array([v[m, "concat", "running", s] - v[m, "separate", "running", s] for s in range(10)])
+        table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
+    assert table == {0.01: (8.1, 3.83, 10), 0.03: (8.1, 4.9, 10), 0.1: (7.29, 5.16, 10), 0.3: (7.28, 4.95, 10),
+                     1.0: (7.68, 4.11, 10)}
+    # recomputed statistics see only the weights: bit-identical AUROCs at every momentum
+    assert all(v[m, a, "recalibrated", i] == v[0.1, a, "recalibrated", i] for m in momenta for a in arms for i in range(10))
+    d = 100 * np.array([v[0.1, "concat", "recalibrated", s] - v[0.1, "separate", "recalibrated", s] for s in range(10)])
+    assert (round(d.mean(), 2), round(half_width(d), 2)) == (14.09, 5.76)
+    arm = lambda m, a, e="running": round(100 * np.mean([v[m, a, e, i] for i in range(10)]), 2)  # noqa: E731
+    assert [arm(m, "separate") for m in momenta] == [82.27, 82.45, 83.54, 83.59, 83.02]
+    assert arm(0.1, "separate", "recalibrated") == 76.58 < min(arm(m, "separate") for m in momenta)
+    primary = {(r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
+               for r in json.loads((RESULTS / "primary" / "results.json").read_text()) if r["method"] == "mcd"}
+    assert all(v[0.1, a, e, i] == primary[a, e, i] for a in arms for e in ("running", "recalibrated") for i in range(10))
+
+
 def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
     # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
     rows = [r for r in json.loads((RESULTS / "near-ood" / "results.json").read_text())
