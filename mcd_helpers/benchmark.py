@@ -106,14 +106,14 @@ BENCHMARK_PRESETS = {
         strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40, doses=(("margin", (0.35, 0.7, 1.2, 2.0)),),
         about="concat - separate against the margin (0.35 to 2.0 nats), split a, disjoint, 10 seeds; CPU"),
     # Dose-response in the OOD share of the unlabeled set: the primary's setting keeping 0 to all of the pool's 2,460
-    # unlabeled OOD images beside its 3,940 ID ones (OOD share 0, 7.2, 13.5, 23.8, 38.4%).
+    # unlabeled OOD images beside its 3,940 ID ones (OOD share 0, 7.3, 13.5, 23.8, 38.4%).
     "dose-ood-share": BenchmarkPreset(
         _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
         strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
         doses=(("unlabeled_ood_fraction", (0.0, 0.125, 0.25, 0.5, 1.0)),),
         about="concat - separate against the OOD share of the unlabeled set (0 to 38%), split a, disjoint, 10 seeds; CPU"),
     # Dose-response in BatchNorm's momentum during fine-tuning: train mode normalises with the batch's statistics, so
-    # the weights are the same at every momentum and only the running statistics differ (recalibrated: no change).
+    # with last-epoch selection the weights are the same at every momentum, only the running statistics differ.
     "dose-momentum": BenchmarkPreset(
         _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",), recalibrated=True,
         strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,

@@ -135,10 +135,13 @@ def protocol_split(protocol: str, x_train: torch.Tensor, y_train: torch.Tensor, 
 
     Raises:
         ConfigError: before any work: an unknown protocol, ``n_val`` or ``n_holdout`` too large for the
-            data (the message says how many images there are), ``far_ood_train`` missing under unseen-ood.
+            data (the message says how many images there are), ``far_ood_train`` missing under unseen-ood,
+            ``ood_fraction`` outside [0, 1].
     """
     if protocol not in PROTOCOLS:
         raise ConfigError("protocol", f"unknown protocol {protocol!r}; choose from {', '.join(PROTOCOLS)}.")
+    if not 0 <= ood_fraction <= 1:
+        raise ConfigError("unlabeled_ood_fraction", f"ood_fraction must be in [0, 1], got {ood_fraction}.")
     if protocol == "unseen-ood" and far_ood_train is None:
         raise ConfigError("unlabeled_ood", "protocol 'unseen-ood' needs far_ood_train, the unlabeled OOD images.")
     x_id_tr, y_id_tr = keep_classes(x_train, y_train, id_classes)

@@ -116,10 +116,10 @@ def test_keep_classes_relabels_in_the_order_given():
 
 # ---- protocol_split ------------------------------------------------------------------------------
 
-def split(protocol, name="b", n_val=3, seed=3, n_holdout=20, far=FAR):
+def split(protocol, name="b", n_val=3, seed=3, n_holdout=20, far=FAR, ood_fraction=1.0):
     id_c, ood_c = class_split(name)
     return protocol_split(protocol, X_TR, Y_TR, X_TE, Y_TE, id_c, ood_c, n_val=n_val, seed=seed, n_holdout=n_holdout,
-                          far_ood_train=far)
+                          far_ood_train=far, ood_fraction=ood_fraction)
 
 
 def test_transductive_protocol_where_each_image_lands():
@@ -171,9 +171,7 @@ def test_the_pool_keeps_the_test_sets_id_to_ood_ratio(n_holdout, n_ood_pool):
 
 @pytest.mark.parametrize("fraction, kept", [(0.0, 0), (0.25, 2), (0.5, 5), (1.0, 10)])
 def test_the_unlabeled_set_keeps_the_first_fraction_of_its_ood_images(fraction, kept):
-    full = split("disjoint", name="b")  # 17 ID + 10 OOD unlabeled (13 pool OOD, 3 to validation)
-    s = protocol_split("disjoint", X_TR, Y_TR, X_TE, Y_TE, *class_split("b"), n_val=3, seed=3, n_holdout=20,
-                       ood_fraction=fraction)
+    full, s = split("disjoint"), split("disjoint", ood_fraction=fraction)  # 17 ID + 10 OOD unlabeled (3 OOD validate)
     assert ids(s.x_unsup) == ids(full.x_unsup)[:17 + kept]  # round(fraction * 10), the ID part whole
     for name in ("x_sup", "val_id_x", "val_ood_x", "test_id_x", "test_ood_x"):
         assert ids(getattr(s, name)) == ids(getattr(full, name)), name
@@ -204,6 +202,8 @@ def test_the_split_follows_the_seed(protocol):
     (dict(protocol="unseen-ood", n_val=30, n_holdout=50), "n_val", "the unlabeled pool has 50 ID and 30 OOD"),
     (dict(protocol="transductive", n_val=40), "n_val", "n_val=40 is too large: the OOD set has 40 images"),
     (dict(n_val=60, n_holdout=50), "n_val", "n_val=60 is too large: the ID test set has 60 images"),
+    (dict(ood_fraction=-0.5), "unlabeled_ood_fraction", r"ood_fraction must be in \[0, 1\], got -0.5"),
+    (dict(ood_fraction=1.5), "unlabeled_ood_fraction", r"ood_fraction must be in \[0, 1\], got 1.5"),
 ])
 def test_protocol_split_errors(kw, field, match):
     kw = dict(kw)
