@@ -2,6 +2,7 @@
 
     python benchmarks/run.py --quick                 # CPU, small batches, about 4 minutes on 2 idle cores
     python benchmarks/run.py --quick --threads 1 --clock cpu   # CPU shared with other jobs
+    python benchmarks/run.py --quick --rounds 75     # a median over more rounds (about 15 minutes)
     python benchmarks/run.py                         # CPU, the quick preset's batch sizes
     python benchmarks/run.py --device cuda           # also bf16, channels_last, torch.compile, data on GPU
 
@@ -225,6 +226,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "bench.json")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads for PyTorch (0 = its default)")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="alternating rounds per model (0 = the plan's: --quick 25 small_cnn, 15 DenseNet)")
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                         help="CPU timing: wall time (default) or this process's CPU time, for machines "
                         "shared with other jobs (use with --threads 1)")
@@ -242,6 +245,8 @@ def main(argv=None) -> int:
             "densenet_bc_100": (8, 4, 15) if args.quick else (32, 8, 9)}
     if cuda:
         plan = {m: (128, 20, 3 if args.quick else 6) for m in plan}
+    if args.rounds > 0:  # more rounds: a median nearer the true ratio (single rounds scatter +-15% on a 2-core VM)
+        plan = {m: (batch, steps, args.rounds) for m, (batch, steps, _) in plan.items()}
     t0, rows = time.time(), []
     for model_name, (batch, steps, rounds) in plan.items():
         for strategy in ("separate", "concat"):
