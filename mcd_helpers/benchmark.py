@@ -67,6 +67,17 @@ _FINETUNE = dict(pretrain_epochs=2, pretrain_milestones=(1,), finetune_epochs=2,
 _ODIN = dict(odin_temperatures=(1000.0,), odin_epsilons=(0.0, 0.0014, 0.004))
 # split a, disjoint: 6,400 unlabeled images (3,940 ID held out of the labeled set + 2,460 OOD)
 _PRIMARY = MCDConfig(train_subset=30_000, n_val=500, n_holdout=4440, ood_size=5000, steps_per_epoch=100, **_FINETUNE, **_ODIN)
+
+
+def _dose(field: str, values: tuple, what: str, config: MCDConfig = _PRIMARY, **more) -> BenchmarkPreset:
+    """A dose-response preset: ``config`` (the primary's) at each of ``values`` of ``field``, split a, disjoint, last
+    epoch, concat and separate, 10 seeds."""
+    return BenchmarkPreset(config, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
+                           strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
+                           doses=((field, values),), about=f"concat - separate against {what}, split a, disjoint, "
+                           "10 seeds; CPU", **more)
+
+
 BENCHMARK_PRESETS = {
     # CPU, at most 20 minutes on 2 cores from an empty cache: split a, 3 protocols x 4 strategies + the GroupNorm
     # reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25 fine-tuning steps of 64 + 64.
@@ -93,32 +104,20 @@ BENCHMARK_PRESETS = {
                    ("concat", "separate", "fpr95", "running"), ("separate", "frozen-bn", "auroc", "running")),
         about="the primary endpoint: split a, disjoint, last epoch, 5 arms, recalibrated statistics, 20 seeds; CPU"),
     # Dose-response in fine-tuning length: the primary's setting at 1, 2, 4, 8, 16 epochs of 30 iterations (30 to 480
-    # iterations: 0.3 to 4.8 draws of each unlabeled image), concat and separate, 10 seeds.
-    "dose-length": BenchmarkPreset(
-        dataclasses.replace(_PRIMARY, steps_per_epoch=30), class_splits=("a",), protocols=("disjoint",),
-        selections=("last-epoch",), strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
-        doses=(("finetune_epochs", (1, 2, 4, 8, 16)),),
-        about="concat - separate against fine-tuning length (30 to 480 iterations), split a, disjoint, 10 seeds; CPU"),
+    # iterations: 0.3 to 4.8 draws of each unlabeled image).
+    "dose-length": _dose("finetune_epochs", (1, 2, 4, 8, 16), "fine-tuning length (30 to 480 iterations)",
+                         dataclasses.replace(_PRIMARY, steps_per_epoch=30)),
     # Dose-response in the margin (nats) against pi log K = 0.384 log 6 = 0.69, the batch-mean entropy gap the pool's
     # OOD share alone can reach: two margins below or at it, the official 1.2, one above; the primary's schedule.
-    "dose-margin": BenchmarkPreset(
-        _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
-        strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40, doses=(("margin", (0.35, 0.7, 1.2, 2.0)),),
-        about="concat - separate against the margin (0.35 to 2.0 nats), split a, disjoint, 10 seeds; CPU"),
+    "dose-margin": _dose("margin", (0.35, 0.7, 1.2, 2.0), "the margin (0.35 to 2.0 nats)"),
     # Dose-response in the OOD share of the unlabeled set: the primary's setting keeping 0 to all of the pool's 2,460
     # unlabeled OOD images beside its 3,940 ID ones (OOD share 0, 7.3, 13.5, 23.8, 38.4%).
-    "dose-ood-share": BenchmarkPreset(
-        _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",),
-        strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
-        doses=(("unlabeled_ood_fraction", (0.0, 0.125, 0.25, 0.5, 1.0)),),
-        about="concat - separate against the OOD share of the unlabeled set (0 to 38%), split a, disjoint, 10 seeds; CPU"),
+    "dose-ood-share": _dose("unlabeled_ood_fraction", (0.0, 0.125, 0.25, 0.5, 1.0),
+                            "the OOD share of the unlabeled set (0 to 38%)"),
     # Dose-response in BatchNorm's momentum during fine-tuning: train mode normalises with the batch's statistics, so
     # with last-epoch selection the weights are the same at every momentum, only the running statistics differ.
-    "dose-momentum": BenchmarkPreset(
-        _PRIMARY, class_splits=("a",), protocols=("disjoint",), selections=("last-epoch",), recalibrated=True,
-        strategies=("separate", "concat"), reference=(), seeds=10, max_seeds=40,
-        doses=(("bn_momentum", (0.01, 0.03, 0.1, 0.3, 1.0)),),
-        about="concat - separate against BatchNorm's momentum (0.01 to 1), split a, disjoint, 10 seeds; CPU"),
+    "dose-momentum": _dose("bn_momentum", (0.01, 0.03, 0.1, 0.3, 1.0), "BatchNorm's momentum (0.01 to 1)",
+                           recalibrated=True),
     # Generality: 30 random 6/4 class splits (splits.random_class_splits, seed 0) x 3 seeds on the primary's setting,
     # concat and separate; analysed with split as a random effect (stats.split_effects).
     "generality": BenchmarkPreset(

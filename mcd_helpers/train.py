@@ -167,8 +167,9 @@ def train(model: nn.Module, split, cfg, strategy: str | None = None, checkpoint:
     net.to(cfg.device, memory_format=torch.channels_last if cfg.channels_last else torch.preserve_format).train()
     if cfg.compile and getattr(net, "_compiled_call_impl", None) is None:  # nn.Module.compile keeps the state_dict keys
         net.compile(dynamic=False)  # one graph per batch shape, each compiled once
-    for bn in (m for m in net.modules() if fine and hasattr(m, "running_mean") and hasattr(m, "momentum")):
-        bn.momentum = cfg.bn_momentum  # running statistics only: train mode normalises with the batch's own
+    if fine:  # BatchNorm's momentum moves its running statistics only: train mode normalises with the batch's own
+        for bn in (m for m in net.modules() if hasattr(m, "running_mean")):
+            bn.momentum = cfg.bn_momentum
     prefix = "finetune_" if fine else "pretrain_"
     opt = torch.optim.SGD(net.parameters(), **{k: getattr(cfg, prefix + k) for k in ("lr", "momentum", "weight_decay")})
     sched = torch.optim.lr_scheduler.MultiStepLR(opt, [] if fine else list(cfg.pretrain_milestones), gamma=0.1)
