@@ -22,6 +22,16 @@ def by_sklearn(s_id: np.ndarray, s_ood: np.ndarray) -> dict:
             "aupr_out": average_precision_score(y_ood, s), "fpr95": fpr[np.argmax(tpr * len(s_id) >= 0.95 * len(s_id) - 1e-9)]}
 
 
+def load(name: str) -> list[dict]:
+    """The rows of the committed run ``benchmarks/results/<name>/``."""
+    return json.loads((RESULTS / name / "results.json").read_text())
+
+
+def primary_auroc() -> dict:
+    """The primary run's MCD AUROCs, ``(strategy, eval_stats, seed) -> auroc``: what a dose at its setting recomputes."""
+    return {(r["strategy"], r["eval_stats"], r["seed"]): r["auroc"] for r in load("primary") if r["method"] == "mcd"}
+
+
 def half_width(d: np.ndarray) -> float:
     """The 95% Student-t half-width of the mean of ``d`` (scipy by hand)."""
     return stats.t.ppf(0.975, len(d) - 1) * d.std(ddof=1) / np.sqrt(len(d))
@@ -39,7 +49,7 @@ def test_some_results_commit_their_scores():
 
 @pytest.mark.parametrize("folder", WITH_SCORES, ids=[p.name for p in WITH_SCORES])
 def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder):
-    rows = json.loads((folder / "results.json").read_text())
+    rows = load(folder.name)
     assert rows and all((folder / r["scores"]).is_file() for r in rows), "a row's scores file is not committed"
     for r in rows:
         with np.load(folder / r["scores"]) as z:
@@ -52,7 +62,7 @@ def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder
 
 def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     # README "The reference answer under BatchNorm" and docs/near-ood.md; recomputed here with scipy alone
-    rows = json.loads((RESULTS / "primary" / "results.json").read_text())
+    rows = load("primary")
     v = {(r["strategy"], r["eval_stats"], r["seed"]): r for r in rows if r["method"] == "mcd"}
     seeds = sorted({r["seed"] for r in rows})
 
@@ -82,7 +92,7 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
 
 def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
     # docs/near-ood.md, "Dose-response in fine-tuning length": recomputed from the committed rows
-    rows = json.loads((RESULTS / "dose-length" / "results.json").read_text())
+    rows = load("dose-length")
     v = {(r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
     table = {}
     for steps in (30, 60, 120, 240, 480):
@@ -98,7 +108,7 @@ def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
 
 def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_same_network():
     # docs/near-ood.md, "Dose-response in the margin"
-    rows = json.loads((RESULTS / "dose-margin" / "results.json").read_text())
+    rows = load("dose-margin")
     v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"]
          for r in rows if r["method"] == "mcd"}
     table = {}
@@ -107,14 +117,13 @@ def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_
         table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
     assert table == {"0.35": (2.89, 2.02, 9), "0.7": (5.92, 2.45, 10), "1.2": (7.29, 5.16, 10), "2.0": (7.29, 5.16, 10)}
     assert all(v["margin=1.2", s, i] == v["margin=2.0", s, i] for s in ("concat", "separate") for i in range(10))
-    primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
-               if r["method"] == "mcd" and r["eval_stats"] == "running"}
-    assert all(v["margin=1.2", s, i] == primary[s, i] for s in ("concat", "separate") for i in range(10))
+    primary = primary_auroc()
+    assert all(v["margin=1.2", s, i] == primary[s, "running", i] for s in ("concat", "separate") for i in range(10))
 
 
 def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primarys_networks():
     # docs/near-ood.md, "Dose-response in the OOD share"; fraction f keeps round(2460 f) of the pool's OOD images
-    rows = json.loads((RESULTS / "dose-ood-share" / "results.json").read_text())
+    rows = load("dose-ood-share")
     v = {(float(r["dose"].split("=")[1]), r["strategy"], r["seed"]): r for r in rows if r["method"] == "mcd"}
     table = {}
     for f in (0.0, 0.125, 0.25, 0.5, 1.0):
@@ -127,14 +136,13 @@ def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primary
     arm = lambda f, s: round(100 * np.mean([v[f, s, i]["auroc"] for i in range(10)]), 2)  # noqa: E731
     msp = round(100 * np.mean([r["auroc"] for r in rows if r["method"] == "msp" and r["dose"].endswith("=0.0")]), 2)
     assert (arm(0.0, "separate"), arm(0.0, "concat"), msp) == (55.87, 59.4, 58.29)  # no OOD to find: at MSP's level
-    primary = {(r["strategy"], r["seed"]): r["auroc"] for r in json.loads((RESULTS / "primary" / "results.json").read_text())
-               if r["method"] == "mcd" and r["eval_stats"] == "running"}  # the whole pool: the primary's setting
-    assert all(v[1.0, s, i]["auroc"] == primary[s, i] for s in ("concat", "separate") for i in range(10))
+    primary = primary_auroc()  # the whole pool: the primary's setting
+    assert all(v[1.0, s, i]["auroc"] == primary[s, "running", i] for s in ("concat", "separate") for i in range(10))
 
 
 def test_bn_momentum_moves_only_the_running_statistics_and_the_effect_hardly():
     # docs/near-ood.md, "Dose-response in BatchNorm's momentum": last epoch, so the same weights at every momentum
-    rows = json.loads((RESULTS / "dose-momentum" / "results.json").read_text())
+    rows = load("dose-momentum")
     v = {(float(r["dose"].split("=")[1]), r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
          for r in rows if r["method"] == "mcd"}
     momenta, arms = (0.01, 0.03, 0.1, 0.3, 1.0), ("concat", "separate")
@@ -154,14 +162,13 @@ def test_bn_momentum_moves_only_the_running_statistics_and_the_effect_hardly():
     acc = lambda m, a: round(100 * np.mean([r["id_accuracy"] for r in rows if r["method"] == "mcd" and r["strategy"] == a  # noqa: E731
                                             and r["eval_stats"] == "running" and r["dose"] == f"bn_momentum={m}"]), 2)
     assert (acc(1.0, "separate"), acc(0.1, "separate"), acc(1.0, "concat")) == (86.7, 89.61, 90.42)
-    primary = {(r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
-               for r in json.loads((RESULTS / "primary" / "results.json").read_text()) if r["method"] == "mcd"}
+    primary = primary_auroc()
     assert all(v[0.1, a, e, i] == primary[a, e, i] for a in arms for e in ("running", "recalibrated") for i in range(10))
 
 
 def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
     # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
-    rows = [r for r in json.loads((RESULTS / "near-ood" / "results.json").read_text())
+    rows = [r for r in load("near-ood")
             if (r["task"], r["method"], r["norm"], r["selection"]) == ("near-ood", "mcd", "batch", "ood-labels")]
     v = {(r["class_split"], r["protocol"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows}
     ci = lambda d: (d.mean(), half_width(d))  # noqa: E731
@@ -182,7 +189,7 @@ def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
 
 def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA by hand
-    rows = json.loads((RESULTS / "generality" / "results.json").read_text())
+    rows = load("generality")
     v = {(r["class_split"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd"}
     msp = {}
     for r in rows:
@@ -219,20 +226,20 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
 def test_the_deeper_network_endpoint_docs_quote():
     # docs/near-ood.md "Depth", README: concat - separate on resnet_20 and on small_cnn's primary seeds 0-9
     def endpoint(folder):
-        rows = json.loads((RESULTS / folder / "results.json").read_text())
+        rows = load(folder)
         v = {(r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd" and r["eval_stats"] == "running"}
         d = np.array([v["concat", s] - v["separate", s] for s in range(10)])
         arms = [round(np.mean([v[a, s] for s in range(10)]), 2) for a in ("separate", "concat")]
         return arms, round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()), d
 
     deep, shallow = endpoint("depth"), endpoint("primary")
-    assert {r["model"] for r in json.loads((RESULTS / "depth" / "results.json").read_text())} == {"resnet_20"}
+    assert {r["model"] for r in load("depth")} == {"resnet_20"}
     assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == ([83.54, 90.83], 7.29, 5.16, 10)
     gap = deep[4] - shallow[4]  # seed by seed: resnet_20's effect minus small_cnn's
     half = half_width(gap)
     assert int((gap > 0).sum()) == 8 and f"by +{gap.mean():.2f} points, 95% CI [{gap.mean() - half:+.2f}, {gap.mean() + half:+.2f}]" \
         == "by +5.99 points, 95% CI [-0.37, +12.34]"  # larger in the mean, not resolved
-    v = {(r["strategy"], r["seed"]): r for r in json.loads((RESULTS / "depth" / "results.json").read_text()) if r["method"] == "mcd"}
+    v = {(r["strategy"], r["seed"]): r for r in load("depth") if r["method"] == "mcd"}
     for metric, said in (("fpr95", "-44.47 ± 5.10"), ("id_accuracy", "+0.30 ± 0.59")):
         d = 100 * np.array([v["concat", i][metric] - v["separate", i][metric] for i in range(10)])
         assert f"{d.mean():+.2f} ± {half_width(d):.2f}" == said
