@@ -232,11 +232,11 @@ def finetuned(cfg, base: nn.Module, split: Split, ood: str, strategy: str, retra
     model = _build(cfg, split, trained)
     model.load_state_dict(state["last" if cfg.selection == "last-epoch" else "best"])
     if strategy == "recalibrate":
-        recalibrate_bn(model.to(cfg.device), split.x_sup[:RECALIBRATION_IMAGES].to(cfg.device), cfg.batch_size_sup)
+        _recalibrated(cfg, model, split)
     return model.to(cfg.device), hist, state["seconds"]
 
 
-_MEMO: dict = {}  # the baselines once per pre-trained network: a hash of (what, network, images) -> scores
+_MEMO: dict = {}  # what a network gives once per weights: a hash of (what, network, images) -> tensors
 
 
 def _memo(what: tuple, tensors: list, compute: Callable):
@@ -253,6 +253,20 @@ def _memo(what: tuple, tensors: list, compute: Callable):
     return type(_MEMO[key])(t.clone() for t in _MEMO[key])
 
 
+def _recalibrated(cfg, model: nn.Module, split: Split) -> nn.Module:
+    """``model`` on ``cfg.device`` with its BatchNorm statistics recomputed on the first :data:`RECALIBRATION_IMAGES`
+    labeled images, in place (memoised by the weights: a second selection of the same epoch is not recomputed)."""
+    x, model = split.x_sup[:RECALIBRATION_IMAGES], model.to(cfg.device)
+
+    def compute() -> list:
+        recalibrate_bn(model, x.to(cfg.device), cfg.batch_size_sup)
+        return list(model.state_dict().values())
+    layout = tuple(p.is_contiguous() for p in model.parameters())  # NCHW or NHWC: equal to rounding only
+    state = _memo(("recalibrate", cfg.device, cfg.batch_size_sup, layout), [*model.state_dict().values(), x], compute)
+    model.load_state_dict(dict(zip(model.state_dict(), state)))
+    return model
+
+
 def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, ood: str,
              methods: Sequence[str] = METHODS, seconds: dict | None = None) -> tuple[list[dict], dict]:
     """Every method's metrics and test scores: rows, and ``{name: (id_scores (N_id,), ood_scores (N_ood,))}``;
@@ -263,8 +277,9 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, oo
     AUROC over ``cfg``'s grid under ``ood-labels``, ODIN's published T = 1000, epsilon = 0.0014 under
     ``last-epoch`` (no OOD label). ``id_accuracy``: F1's accuracy on the ID test images. The models move to
     ``cfg.device`` (NHWC when ``cfg.channels_last``: 1.6x faster on a CPU); their weights are not changed.
-    The baselines' scores are kept in this process by the bytes of ``base`` and of the images, so the ID
-    images that every OOD set shares are scored once per pre-trained network.
+    Logits and ODIN's scores are kept in this process by the bytes of the network and of the images, so the
+    ID images that every OOD set shares are scored once per pre-trained network, and a fine-tuned network
+    that two selections both keep (the same epoch) once.
 
     Returns:
         ``(rows, scores)``; rows in the order msp, odin, energy, then mcd per strategy, metrics as fractions.
@@ -277,10 +292,9 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, oo
         *base.state_dict().values()]  # what the memo's scores depend on: the settings (at rounding level), the network
 
     def heads(model: nn.Module) -> list:  # both heads' logits on the ID and the OOD test images, shared over the ranks
-        model = model.to(cfg.device, memory_format=layout)
+        model, weights = model.to(cfg.device, memory_format=layout), [*model.state_dict().values()]
         logits = lambda x: ddp.gather(lambda t: predict_logits(model, t, cfg.eval_batch_size, cfg.device), x)  # noqa: E731
-        return [_memo(("logits", run), net + [x], lambda: logits(x)) if model is base else logits(x)
-                for x in (split.test_id_x, split.test_ood_x)]
+        return [_memo(("logits", run), weights + [x], lambda: logits(x)) for x in (split.test_id_x, split.test_ood_x)]
 
     def odin(model, x, t, epsilons, **kw) -> list:  # ODIN's scores of the pre-trained network, memoised
         return _memo(("odin", t, tuple(epsilons), run), net + [x], lambda: odin_scores(model, x, t, epsilons, **kw))
@@ -358,8 +372,7 @@ def run_ood_set(cfg, data: Data, ood: str, selections: Sequence[str] | None = No
             r.update(model=cfg.model, eval_stats=stats.get(r["strategy"], "running"))
         if recalibrated and cfg.norm == "batch" and "mcd" in methods:
             with timed(seconds, "recalibration"):
-                again = {s: recalibrate_bn(copy.deepcopy(m), split.x_sup[:RECALIBRATION_IMAGES].to(cfg.device),
-                                           cfg.batch_size_sup) for s, m in tuned.items() if s not in stats}
+                again = {s: _recalibrated(cfg, copy.deepcopy(m), split) for s, m in tuned.items() if s not in stats}
             more, more_scores = evaluate(c, base, again, split, ood, ("mcd",))
             found += [{**r, "model": cfg.model, "eval_stats": "recalibrated"} for r in more]
             row_scores += [more_scores[f"mcd:{r['strategy']}"] for r in more]

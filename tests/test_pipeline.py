@@ -323,6 +323,34 @@ def test_the_memo_hands_out_copies_that_a_caller_may_change(run):
     assert again == first and again[0]["auroc"] < 1.0
 
 
+def test_a_network_is_scored_and_recalibrated_once_per_weights(run, monkeypatch, no_training):
+    """A fine-tuned network that two selections both keep: its logits and its recalibrated statistics are computed
+    once and equal a computation from scratch; a network with one weight changed is computed again."""
+    res, _ = run
+    logits, recals = [], []
+    for name, log in (("predict_logits", logits), ("recalibrate_bn", recals)):
+        real = getattr(pipeline, name)
+        monkeypatch.setattr(pipeline, name, lambda *a, real=real, log=log, **k: log.append(1) or real(*a, **k))
+    pipeline._MEMO.clear()
+    tuned = lambda: finetuned(LAST, res.models["base"], res.split, "gaussian", "recalibrate", progress=False, log=None)[0]
+    models = [tuned(), tuned()]
+    assert len(recals) == 1
+    for k, v in models[0].state_dict().items():
+        assert torch.equal(models[1].state_dict()[k], v), k
+    first, scores = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[0]}, res.split, "gaussian", ("mcd",))
+    assert len(logits) == 4  # the pre-trained and the fine-tuned network, each on the ID and the OOD test images
+    again = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[1]}, res.split, "gaussian", ("mcd",))[0]
+    assert len(logits) == 4 and again == first
+    pipeline._MEMO.clear()
+    assert pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[1]}, res.split, "gaussian",
+                             ("mcd",))[0] == first and len(logits) == 8
+    with torch.no_grad():
+        models[1].F2.bias[0] += 1.0
+    changed = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[1]}, res.split, "gaussian", ("mcd",))[1]
+    assert len(logits) == 10  # the pre-trained network's logits come from the memo
+    assert not torch.equal(changed["mcd:recalibrate"][0], scores["mcd:recalibrate"][0])
+
+
 def test_a_second_call_loads_the_pretrained_network(run, no_training):
     res, _ = run
     logs = []
