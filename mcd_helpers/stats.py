@@ -13,7 +13,6 @@ from typing import Sequence
 
 import numpy as np
 from scipy import stats
-from statsmodels.regression.mixed_linear_model import MixedLM
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_paired
 
@@ -141,10 +140,10 @@ def split_effects(rows: Sequence[dict], a: str = "concat", b: str = "separate", 
                   covariate: str = "msp", confidence: float = 0.95) -> dict:
     """The effect ``a - b`` of MCD (BatchNorm network, running statistics) over class splits, with the split as a
     random effect: ``d_ij = mu + u_i + e_ij`` for split i and seed j, ``u_i ~ N(0, tau^2)``, ``e_ij ~ N(0,
-    sigma^2)``, fitted by REML. With the same number n >= 2 of seeds in every split REML has a closed form, the
-    one-way ANOVA's: ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``, ``se(mu)^2 = MSB / (k n)`` when MSB >= MSW,
-    else ``tau^2 = 0`` and the pairs are i.i.d. (Searle, Casella & McCulloch 1992, *Variance Components*, 3.6-3.7);
-    unbalanced, ``statsmodels`` ``MixedLM``.
+    sigma^2)``, fitted by REML. With the same number n >= 2 of seeds in every split (a benchmark runs every seed on
+    every split) REML has a closed form, the one-way ANOVA's: ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``,
+    ``se(mu)^2 = MSB / (k n)`` when MSB >= MSW, else ``tau^2 = 0`` and the pairs are i.i.d. (Searle, Casella &
+    McCulloch 1992, *Variance Components*, 3.6-3.7).
 
     Returns:
         ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau`` (the
@@ -157,8 +156,8 @@ def split_effects(rows: Sequence[dict], a: str = "concat", b: str = "separate", 
         NaN with fewer than 3). All in the metric's units (fractions).
 
     Raises:
-        ValueError: fewer than 3 splits, a split with one seed (:func:`paired_differences`), rows of more than one task, protocol or
-            selection, an unbalanced fit that does not converge, and as :func:`paired_differences`.
+        ValueError: fewer than 3 splits, a split with one seed (:func:`paired_differences`), splits with different
+            numbers of seeds, rows of more than one task, protocol or selection, and as :func:`paired_differences`.
     """
     mcd = [r for r in rows if r.get("method") == "mcd" and r.get("norm", "batch") == "batch"
            and r.get("eval_stats", "running") == "running"]
@@ -167,21 +166,15 @@ def split_effects(rows: Sequence[dict], a: str = "concat", b: str = "separate", 
         raise ValueError("split_effects takes the rows of one task, protocol and selection; filter them first.")
     if (k := len(pairs)) < 3:
         raise ValueError(f"a random split effect needs at least 3 class splits with both {a!r} and {b!r}, got {k}.")
-    sizes = [len(p["diffs"]) for p in pairs]
-    d, n = np.concatenate([p["diffs"] for p in pairs]), sizes[0]
-    if len(set(sizes)) == 1:  # balanced: REML in closed form
-        m = d.reshape(k, n).mean(1)
-        msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
-        mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
-        sigma2 = msw if msb >= msw else float(d.var(ddof=1))
-        se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
-    else:
-        fit = MixedLM(d, np.ones((d.size, 1)), np.repeat(np.arange(k), sizes)).fit(reml=True)
-        if not fit.converged:
-            raise ValueError("the mixed model did not converge on these unbalanced splits; run the same seeds on "
-                             "every split (the balanced fit is exact).")
-        mu, se, tau2, sigma2 = (float(fit.fe_params[0]), float(fit.bse_fe[0]),
-                                max(float(np.asarray(fit.cov_re)[0, 0]), 0.0), float(fit.scale))
+    if len(set((sizes := {p["class_split"]: len(p["diffs"]) for p in pairs}).values())) > 1:
+        raise ValueError(f"split_effects needs the same number of seeds in every class split, got {sizes}; run the "
+                         "missing seeds (benchmark --resume) or leave the short splits out.")
+    d, n = np.concatenate([p["diffs"] for p in pairs]), len(pairs[0]["diffs"])
+    m = d.reshape(k, n).mean(1)  # REML in closed form: (k,) split means
+    msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
+    mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
+    sigma2 = msw if msb >= msw else float(d.var(ddof=1))
+    se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
     half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
     pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se ** 2)
     cov = {}
