@@ -13,6 +13,7 @@ Examples::
 Every field of :class:`~mcd_helpers.config.MCDConfig` is a flag (``finetune_lr`` -> ``--finetune-lr``);
 tuple fields take comma-separated values, yes/no fields are switches (``--compile`` / ``--no-compile``).
 
+Progress bars are drawn on a terminal only: a log redirected to a file gets the log lines alone.
 SIGTERM or SIGINT (Ctrl-C) finishes the step, saves, and exits with 143 or 130; ``--resume`` with the
 same ``--out`` and settings continues exactly. A run that finds unfinished work in ``--out`` stops
 unless given ``--resume`` or ``--fresh``. Exit codes: 0 done; 1 a failure during the run (diverged,
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             raise ConfigError("out", "--out DIR is required (the folder for results.json, "
                                      f"{'scores/, summary.md' if bench else 'results.md and plots'}).")
-        how = dict(retrain=args.retrain, progress=not args.quiet, quiet=args.quiet, resume=args.resume,
-                   fresh=args.fresh)
+        how = dict(retrain=args.retrain, progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
+                   resume=args.resume, fresh=args.fresh)  # progress bars on a terminal only, not in a redirected log
         if bench:
             from .benchmark import run_benchmark
 

@@ -154,3 +154,21 @@ def test_benchmark_refuses_a_device_pytorch_does_not_see(tmp_path, capsys, no_da
     assert main(["benchmark", "--preset", "near-ood-quick", "--out", str(tmp_path / "b"), "--device", device]) == 2
     assert "PyTorch sees no such device" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_progress_bars_on_a_terminal_only(terminal, monkeypatch, tmp_path):
+    """A redirected log (stderr not a terminal) gets no progress bars; --quiet none anywhere."""
+    import io
+    import sys
+    seen = []
+
+    def fake_run(cfg, out, **how):
+        seen.append(how["progress"])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text("table")
+    monkeypatch.setattr("mcd_helpers.run.run_reproduction", fake_run)
+    monkeypatch.setattr(sys, "stderr", type("Err", (io.StringIO,), {"isatty": lambda self: terminal})())
+    assert main(["reproduce", "--out", str(tmp_path / "o")]) == 0
+    assert main(["reproduce", "--out", str(tmp_path / "o"), "--quiet"]) == 0
+    assert seen == [terminal, False]
