@@ -87,9 +87,8 @@ def pooled_variance(mean_a, var_a, n_a: int, mean_b, var_b, n_b: int) -> torch.T
     """
     _count(n_a, "n_a", 0)
     _count(n_b, "n_b", 0)
-    if n_a + n_b == 0 or len({tuple(torch.as_tensor(t).shape) for t in (mean_a, var_a, mean_b, var_b)}) > 1:
+    if (n := n_a + n_b) == 0 or len({tuple(torch.as_tensor(t).shape) for t in (mean_a, var_a, mean_b, var_b)}) > 1:
         raise ValueError("pooled_variance needs n_a + n_b > 0 and four statistics of one shape (a value per channel).")
-    n = n_a + n_b
     return (n_a * var_a + n_b * var_b) / n + n_a * n_b / n**2 * (mean_a - mean_b) ** 2
 
 
