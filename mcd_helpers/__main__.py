@@ -119,8 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             raise ConfigError("out", "--out DIR is required (the folder for results.json, "
                                      f"{'scores/, summary.md' if bench else 'results.md and plots'}).")
-        how = dict(retrain=args.retrain, progress=not args.quiet and sys.stderr.isatty(), quiet=args.quiet,
-                   resume=args.resume, fresh=args.fresh)  # progress bars on a terminal only, not in a redirected log
+        terminal = getattr(sys.stderr, "isatty", bool)()  # progress bars on a terminal only, not in a redirected log
+        how = dict(retrain=args.retrain, progress=not args.quiet and terminal, quiet=args.quiet, resume=args.resume,
+                   fresh=args.fresh)
         if bench:
             from .benchmark import run_benchmark
 

@@ -35,7 +35,7 @@ from .forwards import check_strategy
 from .losses import discrepancy_score, energy_score, msp_score
 from .metrics import ood_metrics
 from .models import build_model
-from .norms import per_source_batchnorm, recalibrate_bn
+from .norms import PerSourceBatchNorm, per_source_batchnorm, recalibrate_bn
 from .splits import Split, class_split, keep_classes, protocol_split, transductive_split
 from .train import History, predict_logits, set_seed, train
 
@@ -240,17 +240,17 @@ _MEMO: dict = {}  # what a network gives once per weights: a hash of (what, netw
 
 
 def _memo(what: tuple, tensors: list, compute: Callable):
-    """``compute()`` (a list or tuple of tensors), or what it gave before in this process for ``what`` and
-    ``tensors`` of the same bytes (a network's state, images), as copies: a caller may change them in place.
-    The 64 newest kept."""
+    """``compute()`` (a sequence of tensors) as a list, or what it gave before in this process for ``what`` and
+    ``tensors`` of the same bytes (a network's state, images); copies both ways: a caller may change them in
+    place. The 64 newest kept."""
     h = hashlib.blake2b(repr(what).encode(), digest_size=16)
     for t in tensors:
         h.update(repr(t.shape).encode())
         h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
     if (key := h.hexdigest()) not in _MEMO:
         _MEMO.pop(next(iter(_MEMO))) if len(_MEMO) >= 64 else None
-        _MEMO[key] = compute()
-    return type(_MEMO[key])(t.clone() for t in _MEMO[key])
+        _MEMO[key] = [t.detach().clone() for t in compute()]  # kept apart from the tensors compute() handed out
+    return [t.clone() for t in _MEMO[key]]
 
 
 def _recalibrated(cfg, model: nn.Module, split: Split) -> nn.Module:
@@ -258,12 +258,14 @@ def _recalibrated(cfg, model: nn.Module, split: Split) -> nn.Module:
     labeled images, in place (memoised by the weights: a second selection of the same epoch is not recomputed)."""
     x, model = split.x_sup[:RECALIBRATION_IMAGES], model.to(cfg.device)
 
-    def compute() -> list:
+    def compute() -> list:  # the buffers (running statistics); the weights are not changed
         recalibrate_bn(model, x.to(cfg.device), cfg.batch_size_sup)
-        return list(model.state_dict().values())
+        return list(model.buffers())
     layout = tuple(p.is_contiguous() for p in model.parameters())  # NCHW or NHWC: equal to rounding only
-    state = _memo(("recalibrate", cfg.device, cfg.batch_size_sup, layout), [*model.state_dict().values(), x], compute)
-    model.load_state_dict(dict(zip(model.state_dict(), state)))
+    stats = _memo(("recalibrate", cfg.device, cfg.batch_size_sup, layout), [*model.state_dict().values(), x], compute)
+    with torch.no_grad():
+        for buffer, value in zip(model.buffers(), stats):
+            buffer.copy_(value)
     return model
 
 
@@ -293,8 +295,10 @@ def evaluate(cfg, base: nn.Module, tuned: dict[str, nn.Module], split: Split, oo
 
     def heads(model: nn.Module) -> list:  # both heads' logits on the ID and the OOD test images, shared over the ranks
         model, weights = model.to(cfg.device, memory_format=layout), [*model.state_dict().values()]
+        sources = [m.source for m in model.modules() if isinstance(m, PerSourceBatchNorm)]  # not in the state
         logits = lambda x: ddp.gather(lambda t: predict_logits(model, t, cfg.eval_batch_size, cfg.device), x)  # noqa: E731
-        return [_memo(("logits", run), weights + [x], lambda: logits(x)) for x in (split.test_id_x, split.test_ood_x)]
+        return [_memo(("logits", run, sources), weights + [x], lambda: logits(x))
+                for x in (split.test_id_x, split.test_ood_x)]
 
     def odin(model, x, t, epsilons, **kw) -> list:  # ODIN's scores of the pre-trained network, memoised
         return _memo(("odin", t, tuple(epsilons), run), net + [x], lambda: odin_scores(model, x, t, epsilons, **kw))

@@ -156,9 +156,10 @@ def test_benchmark_refuses_a_device_pytorch_does_not_see(tmp_path, capsys, no_da
     assert not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("terminal", [True, False])
+@pytest.mark.parametrize("terminal", [True, False, None])
 def test_progress_bars_on_a_terminal_only(terminal, monkeypatch, tmp_path):
-    """A redirected log (stderr not a terminal) gets no progress bars; --quiet none anywhere."""
+    """A redirected log (stderr not a terminal) gets no progress bars, nor does a stream without ``isatty`` (a
+    wrapper; None: pythonw's closed stderr); --quiet none anywhere."""
     import io
     import sys
     seen = []
@@ -168,7 +169,8 @@ def test_progress_bars_on_a_terminal_only(terminal, monkeypatch, tmp_path):
         out.mkdir(parents=True, exist_ok=True)
         (out / "results.md").write_text("table")
     monkeypatch.setattr("mcd_helpers.run.run_reproduction", fake_run)
-    monkeypatch.setattr(sys, "stderr", type("Err", (io.StringIO,), {"isatty": lambda self: terminal})())
+    stderr = None if terminal is None else type("Err", (io.StringIO,), {"isatty": lambda self: terminal})()
+    monkeypatch.setattr(sys, "stderr", stderr)
     assert main(["reproduce", "--out", str(tmp_path / "o")]) == 0
     assert main(["reproduce", "--out", str(tmp_path / "o"), "--quiet"]) == 0
-    assert seen == [terminal, False]
+    assert seen == [bool(terminal), False]

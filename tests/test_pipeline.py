@@ -337,6 +337,13 @@ def test_a_network_is_scored_and_recalibrated_once_per_weights(run, monkeypatch,
     assert len(recals) == 1
     for k, v in models[0].state_dict().items():
         assert torch.equal(models[1].state_dict()[k], v), k
+    kept = copy.deepcopy(models[0].state_dict())
+    with torch.no_grad():  # a caller changes the statistics it was handed: the memo's are its own
+        models[0].train()(res.split.x_unsup[:64])
+    assert not torch.equal(models[0].state_dict()["G.1.running_mean"], kept["G.1.running_mean"])
+    for k, v in tuned().state_dict().items():
+        assert torch.equal(v, kept[k]), k
+    models[0].load_state_dict(kept)
     first, scores = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[0]}, res.split, "gaussian", ("mcd",))
     assert len(logits) == 4  # the pre-trained and the fine-tuned network, each on the ID and the OOD test images
     again = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[1]}, res.split, "gaussian", ("mcd",))[0]
@@ -349,6 +356,21 @@ def test_a_network_is_scored_and_recalibrated_once_per_weights(run, monkeypatch,
     changed = pipeline.evaluate(LAST, res.models["base"], {"recalibrate": models[1]}, res.split, "gaussian", ("mcd",))[1]
     assert len(logits) == 10  # the pre-trained network's logits come from the memo
     assert not torch.equal(changed["mcd:recalibrate"][0], scores["mcd:recalibrate"][0])
+
+
+def test_the_memo_tells_the_sources_of_a_split_bn_network_apart(run):
+    """A split-bn network evaluated with its second source's statistics is scored again, not taken from the memo."""
+    from mcd_helpers.norms import use_source
+    res, _ = run
+    model, _, _ = finetuned(LAST, res.models["base"], res.split, "gaussian", "split-bn", progress=False, log=None)
+    pipeline._MEMO.clear()
+    source0 = pipeline.evaluate(LAST, res.models["base"], {"split-bn": model}, res.split, "gaussian", ("mcd",))[1]
+    with use_source(model, 1):
+        source1 = pipeline.evaluate(LAST, res.models["base"], {"split-bn": model}, res.split, "gaussian", ("mcd",))[1]
+        pipeline._MEMO.clear()
+        fresh = pipeline.evaluate(LAST, res.models["base"], {"split-bn": model}, res.split, "gaussian", ("mcd",))[1]
+    assert not torch.equal(source1["mcd:split-bn"][0], source0["mcd:split-bn"][0])
+    assert torch.equal(source1["mcd:split-bn"][0], fresh["mcd:split-bn"][0])
 
 
 def test_a_second_call_loads_the_pretrained_network(run, no_training):
