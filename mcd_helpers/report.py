@@ -176,8 +176,8 @@ def summary_text(rows: Sequence[dict], title: str = "Benchmark", seconds: float 
     if effects := split_effect_tables(rows):
         parts += ["", "## Class split as a random effect", "", "MCD on the BatchNorm network, AUROC, running statistics: "
                   "d = mu + u_split + e, fitted by REML (in closed form: as many seeds in every split); the prediction "
-                  "interval is for a new class split's effect (Higgins et al. 2009); the slope regresses the split means on MSP's AUROC there "
-                  "(a harder split has a lower MSP AUROC).", "", split_effects_markdown(effects)]
+                  "interval is for a new class split's effect (Higgins et al. 2009); the slope regresses the split means "
+                  "on MSP's AUROC there (a harder split has a lower MSP AUROC).", "", split_effects_markdown(effects)]
     for task, heading in (("near-ood", "Near-OOD: held-out classes"), ("far-ood", "Far-OOD rows (transductive)")):
         summary, paired = benchmark_tables(rows, task)
         if not summary:  # no rows of this task
