@@ -10,8 +10,9 @@ A reproduction checks before any training everything that can be checked (the de
 set, every split's sizes, errors naming the flag), then per OOD set runs
 :func:`~mcd_helpers.pipeline.run_ood_set` and writes ``hist_<ood>.png`` and ``roc_<ood>.png``; at
 the end ``config.json``, ``results.json`` and ``results.md`` together, and prints and records in
-``run.json`` (``"seconds"``) the wall-clock seconds of each stage. An OOD set that fails later
-is recorded and the others still run. Under torchrun rank 0 alone writes.
+``run.json`` the wall-clock seconds of each stage (``"seconds"``) and the precision that trained (``"amp"``,
+``"auto"`` resolved). An OOD set that fails later is recorded and the others still run. Under torchrun rank 0
+alone writes.
 """
 
 import contextlib
@@ -147,6 +148,7 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
     with output_folder(out, {"config": cfg.to_dict()}, resume, fresh, quiet) as info:
         if not quiet and cache_dir() != data_dir():
             log(f"note: {data_dir()} is read-only: data is read from it, downloads and caches go to {cache_dir()}.")
+        log(f"training precision: amp={cfg.amp} is {cfg.resolved_amp()} on {cfg.device} (also in run.json)")
         profile, started = {}, time.perf_counter()  # wall-clock seconds of each stage, into run.json
         with timed(profile, "data"):
             data = load_data(cfg)
@@ -179,7 +181,8 @@ def run_reproduction(cfg: MCDConfig, out_dir: Path, retrain: bool = False, progr
                                "results.md": results_markdown(rows, failures)}.items():
                 atomic_write(out / name, text)
         profile["total"] = round(time.perf_counter() - started, 2)
-        info.update(status="partial" if failures else "finished", failures=failures, seconds=profile)
+        info.update(status="partial" if failures else "finished", failures=failures, seconds=profile,
+                    amp=cfg.resolved_amp())
         log(f"seconds of each stage (also in run.json): {json.dumps(profile)}")
     if failures:
         raise RuntimeError(f"{len(failures)} of {len(cfg.ood_sets)} OOD sets failed: "

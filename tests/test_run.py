@@ -45,6 +45,8 @@ def test_a_finished_run_writes_its_three_files_together_and_says_finished(tmp_pa
     md = (out / "results.md").read_text()
     assert f"| fashion_mnist | gaussian | mcd | separate | {100 * rows[3]['fpr95']:.2f} |" in md
     assert run_json(out)["status"] == "finished" and run_json(out)["failures"] == {}
+    from mcd_helpers.config import native_bf16
+    assert cfg["amp"] == "auto" and run_json(out)["amp"] == ("bf16" if native_bf16("cpu") else "none")  # what trained
     assert not list(out.glob("checkpoints/*.pt"))  # stage checkpoints deleted once the stage is in the cache
     assert {p.name for p in out.glob("*.png")} == {"hist_gaussian.png", "roc_gaussian.png"}
 
