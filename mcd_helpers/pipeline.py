@@ -130,7 +130,8 @@ def cached(cfg, stage: str, compute: Callable[[], dict], retrain: bool | set = F
     if found is not None:
         try:
             state = {**load_state(found), "loaded_from": str(found)}
-            log(f"{stage}: loaded from the cache, {found} (--retrain computes it again)")
+            log(f"{stage}: loaded from the cache, {found} (computed earlier in this run or before; --retrain computes "
+                "it again)")
         except RuntimeError as err:  # unreadable (load_state's message names the file)
             log(f"{err} Computing it again.")
     if state is None:

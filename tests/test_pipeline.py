@@ -193,7 +193,8 @@ def test_cached_computes_once_then_loads(tmp_data_dir, tmp_path):
     second = cached(TINY, "demo", compute, log=logs.append, checkpoint=ckpt, ood="x")
     assert calls == [1] and second["loaded_from"] == str(path) and torch.equal(second["value"], first["value"])
     assert not ckpt.exists()  # the cache holds the result: the leftover checkpoint goes too
-    assert logs == [f"demo: loaded from the cache, {path} (--retrain computes it again)"]
+    assert logs == [f"demo: loaded from the cache, {path} (computed earlier in this run or before; --retrain "
+                    "computes it again)"]
     cached(TINY, "demo", compute, log=None, ood="y")  # another key: computed
     assert calls == [1, 1]
 
