@@ -166,9 +166,10 @@ def split_effects(rows: Sequence[dict], a: str = "concat", b: str = "separate", 
         raise ValueError("split_effects takes the rows of one task, protocol and selection; filter them first.")
     if (k := len(pairs)) < 3:
         raise ValueError(f"a random split effect needs at least 3 class splits with both {a!r} and {b!r}, got {k}.")
-    if len(set((sizes := {p["class_split"]: len(p["diffs"]) for p in pairs}).values())) > 1:
+    sizes = {p["class_split"]: len(p["diffs"]) for p in pairs}
+    if len(set(sizes.values())) > 1:
         raise ValueError(f"split_effects needs the same number of seeds in every class split, got {sizes}; run the "
-                         "missing seeds (benchmark --resume) or leave the short splits out.")
+                         "same seeds on every split or leave the short splits out.")
     d, n = np.concatenate([p["diffs"] for p in pairs]), len(pairs[0]["diffs"])
     m = d.reshape(k, n).mean(1)  # REML in closed form: (k,) split means
     msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
