@@ -4,16 +4,18 @@
 
 The notebooks are the copies ``make test`` executed (tests/test_notebooks.py writes them to
 build/executed/); a notebook whose executed copy is missing or older (other cell sources) is
-executed here first, the same way (nbclient, MCD_QUICK=1). The pages are assembled in build/site-src/ with the repository's layout,
-so every relative link and image in README.md and docs/ means on the site what it means on GitHub,
-and Sphinx with myst-nb renders them (docs/conf.py), warnings as errors. Sphinx + myst-nb rather
-than Jupyter Book: Jupyter Book 1 is a wrapper around exactly these two, and Jupyter Book 2 needs
-Node.js; this way the site is one pip install and one conf.py.
+executed here first, the same way (nbclient, MCD_QUICK=1). The pages are assembled in
+build/site-src/ with the repository's layout, so every relative link and image in README.md and
+docs/ means on the site what it means on GitHub, and Sphinx with myst-nb renders them
+(docs/conf.py), warnings as errors. Sphinx + myst-nb rather than Jupyter Book: Jupyter Book 1 is a
+wrapper around exactly these two, and Jupyter Book 2 needs Node.js; this way the site is one pip
+install and one conf.py.
 
 Run on its own, a notebook executed here reads and fills your data and network cache
 ($MCD_DATA_DIR, else ~/.cache/mcd_helpers; docs/data.md), as ``make lab`` does; under ``make test``
 it uses the test suite's own cache (tests/conftest.py).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,16 +51,22 @@ CHANGELOG
 ```
 """
 
-NOTE = ("> This page is the notebook executed headless in quick mode (`MCD_QUICK=1`), as `make test` runs it, "
-        "so its numbers are quick mode's. Widgets show their last state; to move them, run the notebook "
-        "yourself: `make lab` opens it in JupyterLab (full mode). The page reads offline except its "
-        "maths (MathJax) and widgets, whose scripts come from a CDN and need a network.")
+NOTE = (
+    "> This page is the notebook executed headless in quick mode (`MCD_QUICK=1`), as `make "
+    "test` runs it, "
+    "so its numbers are quick mode's. Widgets show their last state; to move them, run the "
+    "notebook "
+    "yourself: `make lab` opens it in JupyterLab (full mode). The page reads offline except its "
+    "maths (MathJax) and widgets, whose scripts come from a CDN and need a network."
+)
 
 
-def execute(notebook: Path, out_dir: Path | None = None, timeout: int = 900, quick: bool = True) -> float:
+def execute(
+    notebook: Path, out_dir: Path | None = None, timeout: int = 900, quick: bool = True
+) -> float:
     """Run ``notebook`` top to bottom in quick mode (``quick=False``: full mode, what ``make lab``
-    runs), write the executed copy to ``out_dir`` (None: ``EXECUTED`` as it is when the copy is written);
-    ``timeout`` is seconds per cell.
+    runs), write the executed copy to ``out_dir`` (None: ``EXECUTED`` as it is when the copy is
+    written); ``timeout`` is seconds per cell.
 
     Returns the wall time in seconds. Raises ``nbclient.exceptions.CellExecutionError`` (the
     failing cell and its traceback) when a cell raises; nothing is written then.
@@ -70,8 +78,12 @@ def execute(notebook: Path, out_dir: Path | None = None, timeout: int = 900, qui
     if quick:
         env["MCD_QUICK"] = "1"
     nb = nbformat.read(notebook, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name="python3",
-                            resources={"metadata": {"path": str(notebook.parent)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(notebook.parent)}},
+    )
     start = time.time()
     client.execute(env=env)  # the kernel's environment; ours stays as it is
     seconds = time.time() - start
@@ -84,14 +96,16 @@ def execute(notebook: Path, out_dir: Path | None = None, timeout: int = 900, qui
 
 
 def _executed_copy_is_current(notebook: Path) -> bool:
-    """An executed copy exists and its cells' sources are the notebook's (not an older version's)."""
+    """An executed copy exists and its cells' sources are the notebook's (not an older
+    version's)."""
     copy = EXECUTED / notebook.name
     sources = lambda path: [c.source for c in nbformat.read(path, as_version=4).cells]
     return copy.exists() and sources(copy) == sources(notebook)
 
 
 def assemble() -> list[Path]:
-    """Fill build/site-src/ (executing the notebooks without a current executed copy); return the notebooks."""
+    """Fill build/site-src/ (executing the notebooks without a current executed copy); return the
+    notebooks."""
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
     for nb in notebooks:
         if not _executed_copy_is_current(nb):
@@ -121,9 +135,13 @@ def build() -> Path:
 
     assemble()
     shutil.rmtree(OUT, ignore_errors=True)
-    rc = build_main(["-q", "-W", "--keep-going", "-b", "html", "-c", str(ROOT / "docs"), str(SRC), str(OUT)])
+    rc = build_main(
+        ["-q", "-W", "--keep-going", "-b", "html", "-c", str(ROOT / "docs"), str(SRC), str(OUT)]
+    )
     if rc:
-        raise SystemExit(f"sphinx-build failed (exit {rc}); the warnings above say which page and line")
+        raise SystemExit(
+            f"sphinx-build failed (exit {rc}); the warnings above say which page and line"
+        )
     return OUT
 
 
@@ -131,5 +149,8 @@ if __name__ == "__main__":
     out = build()
     pages = sorted(out.rglob("*.html"))
     size = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
-    print(f"site: {len(pages)} pages, {size / 1e6:.1f} MB in {out.relative_to(ROOT)}/ (open {out.relative_to(ROOT)}/index.html)")
+    print(
+        f"site: {len(pages)} pages, {size / 1e6:.1f} MB in {out.relative_to(ROOT)}/ (open "
+        f"{out.relative_to(ROOT)}/index.html)"
+    )
     sys.exit(0)

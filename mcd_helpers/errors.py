@@ -1,4 +1,4 @@
-"""The package's own error classes and the command line's exit code for each error.
+"""The package's own error classes (the command line's exit code for each: ``experiments.cli``).
 
 Everything else raises Python's own classes with a message that says what is wrong and how to fix
 it: ``ValueError``/``TypeError`` for bad arguments, ``FloatingPointError`` for a diverged loss,
@@ -24,7 +24,8 @@ class DataNotFoundError(FileNotFoundError):
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint or cached network that cannot be read or does not fit; the message names the file and the fix."""
+    """A checkpoint or cached network that cannot be read or does not fit; the message names the
+    file and the fix."""
 
 
 class TrainingInterrupted(RuntimeError):
@@ -39,11 +40,3 @@ class TrainingInterrupted(RuntimeError):
 
     def __reduce__(self):
         return type(self), (str(self), self.signal)
-
-
-def exit_code(err: BaseException) -> int:
-    """``128 + signal`` when interrupted; 2 for what the user fixes before rerunning (a setting, missing
-    data, a folder that cannot be written or is in use); 1 for a failure during the run."""
-    if isinstance(err, (TrainingInterrupted, KeyboardInterrupt)):
-        return 128 + getattr(err, "signal", signal.SIGINT)  # Ctrl-C without our handler: SIGINT
-    return 2 if isinstance(err, (ValueError, KeyError, FileNotFoundError, PermissionError)) else 1

@@ -1,4 +1,5 @@
-"""OOD-detection metrics over score arrays, in the paper's convention (ODIN's): ID is the positive class.
+"""OOD-detection metrics over score arrays, in the paper's convention (ODIN's): ID is the positive
+class.
 
 Convention, in words: **higher score = more OOD**. A sample is accepted as ID when
 ``score <= t``. At a threshold t, TPR(t) = share of ID samples accepted and FPR(t) = share of OOD
@@ -37,12 +38,19 @@ def as_scores(scores, name: str = "scores") -> np.ndarray:
         scores = scores.detach().cpu().double().numpy()
     arr = np.asarray(scores, dtype=np.float64)
     if arr.ndim != 1:
-        raise ValueError(f"{name} must be a 1-D sequence of per-sample scores, got shape {arr.shape}: flatten it.")
+        raise ValueError(
+            f"{name} must be a 1-D sequence of per-sample scores, got shape {arr.shape}: "
+            "flatten it."
+        )
     if arr.size == 0:
-        raise ValueError(f"{name} is empty: OOD metrics need at least one ID and one OOD score; check the data.")
+        raise ValueError(
+            f"{name} is empty: OOD metrics need at least one ID and one OOD score; check the data."
+        )
     if (bad := ~np.isfinite(arr)).any():
-        raise ValueError(f"{name} holds {int(bad.sum())} non-finite value(s) (NaN or inf), first at "
-                         f"index {int(np.argmax(bad))}: a diverged model or a division by zero upstream.")
+        raise ValueError(
+            f"{name} holds {int(bad.sum())} non-finite value(s) (NaN or inf), first at "
+            f"index {int(np.argmax(bad))}: a diverged model or a division by zero upstream."
+        )
     return arr
 
 
@@ -52,7 +60,9 @@ def _labelled(id_scores, ood_scores) -> tuple[np.ndarray, np.ndarray]:
     return np.concatenate([s_id, s_ood]), is_id
 
 
-def roc_points(id_scores: Sequence[float], ood_scores: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+def roc_points(
+    id_scores: Sequence[float], ood_scores: Sequence[float]
+) -> tuple[np.ndarray, np.ndarray]:
     """ROC curve in the ID-positive convention, one point per unique observed threshold.
 
     Returns:
@@ -88,9 +98,13 @@ def ood_metrics(id_scores, ood_scores, tpr_level: float = 0.95) -> dict[str, flo
     scores, is_id = _labelled(id_scores, ood_scores)
     n_id = int(is_id.sum())
     fpr, tpr, _ = roc_curve(is_id, -scores, drop_intermediate=False)
-    # Smallest threshold with TPR >= level; compare counts of accepted ID samples, not rounded fractions.
+    # Smallest threshold with TPR >= level; compare counts of accepted ID samples, not rounded
+    # fractions.
     first = int(np.argmax(np.rint(tpr * n_id) >= tpr_level * n_id - 1e-9))
-    return {"fpr95": float(fpr[first]), "detection_error": float(np.min(0.5 * (1.0 - tpr) + 0.5 * fpr)),
-            "auroc": float(roc_auc_score(1 - is_id, scores)),  # OOD vs ID ranking, ties count 1/2
-            "aupr_in": float(average_precision_score(is_id, -scores)),
-            "aupr_out": float(average_precision_score(1 - is_id, scores))}
+    return {
+        "fpr95": float(fpr[first]),
+        "detection_error": float(np.min(0.5 * (1.0 - tpr) + 0.5 * fpr)),
+        "auroc": float(roc_auc_score(1 - is_id, scores)),  # OOD vs ID ranking, ties count 1/2
+        "aupr_in": float(average_precision_score(is_id, -scores)),
+        "aupr_out": float(average_precision_score(1 - is_id, scores)),
+    }

@@ -1,4 +1,5 @@
-"""BatchNorm's coupling and its fixes: per-source running statistics, recalibration, frozen statistics.
+"""BatchNorm's coupling and its fixes: per-source running statistics, recalibration, frozen
+statistics.
 
 With separate forwards of a labeled and an unlabeled batch, train-mode BatchNorm normalises each
 batch with its own statistics, but its *running* statistics (used at evaluation) average both
@@ -34,12 +35,26 @@ class PerSourceBatchNorm(nn.Module):
         ``(num_sources, C)``; ``num_batches_tracked``: ``(num_sources,)``.
     """
 
-    def __init__(self, num_features: int, num_sources: int = 2, eps: float = 1e-5, momentum: float | None = 0.1):
+    def __init__(
+        self,
+        num_features: int,
+        num_sources: int = 2,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+    ):
         super().__init__()
         if num_sources < 1:
             raise ValueError(f"num_sources must be >= 1, got {num_sources}.")
-        self.num_features, self.num_sources, self.eps, self.momentum = num_features, num_sources, eps, momentum
-        self.weight, self.bias = nn.Parameter(torch.ones(num_features)), nn.Parameter(torch.zeros(num_features))
+        self.num_features, self.num_sources, self.eps, self.momentum = (
+            num_features,
+            num_sources,
+            eps,
+            momentum,
+        )
+        self.weight, self.bias = (
+            nn.Parameter(torch.ones(num_features)),
+            nn.Parameter(torch.zeros(num_features)),
+        )
         self.register_buffer("running_mean", torch.zeros(num_sources, num_features))
         self.register_buffer("running_var", torch.ones(num_sources, num_features))
         self.register_buffer("num_batches_tracked", torch.zeros(num_sources, dtype=torch.long))
@@ -53,34 +68,61 @@ class PerSourceBatchNorm(nn.Module):
             ValueError: if ``bn`` has no affine parameters or keeps no running statistics.
         """
         if not bn.affine or not bn.track_running_stats:
-            raise ValueError(f"{bn} cannot get per-source statistics: needs affine=True and track_running_stats=True.")
-        new = cls(bn.num_features, num_sources, bn.eps, bn.momentum).to(bn.weight.device, bn.weight.dtype)
-        # weight, bias (C,) shared; running_mean, running_var (C,) and num_batches_tracked () copied to a row per source
-        new.load_state_dict({k: v if k in ("weight", "bias") else v.expand(num_sources, *v.shape)
-                             for k, v in bn.state_dict().items()})
+            raise ValueError(
+                f"{bn} cannot get per-source statistics: needs affine=True and "
+                "track_running_stats=True."
+            )
+        new = cls(bn.num_features, num_sources, bn.eps, bn.momentum).to(
+            bn.weight.device, bn.weight.dtype
+        )
+        # weight, bias (C,) shared; running_mean, running_var (C,) and num_batches_tracked () copied
+        # to a row per source
+        new.load_state_dict(
+            {
+                k: v if k in ("weight", "bias") else v.expand(num_sources, *v.shape)
+                for k, v in bn.state_dict().items()
+            }
+        )
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        s = self.source  # momentum=None: a cumulative average, as nn.BatchNorm's (unused in eval mode)
-        momentum = 1.0 / float(self.num_batches_tracked[s] + 1) if self.momentum is None else self.momentum
+        # momentum=None: a cumulative average, as nn.BatchNorm's (unused in eval mode)
+        s = self.source
+        momentum = (
+            1.0 / float(self.num_batches_tracked[s] + 1) if self.momentum is None else self.momentum
+        )
         # F.batch_norm updates the running statistics it is given in place: this source's rows
-        out = F.batch_norm(x, self.running_mean[s], self.running_var[s], self.weight, self.bias,
-                           self.training, momentum, self.eps)
+        out = F.batch_norm(
+            x,
+            self.running_mean[s],
+            self.running_var[s],
+            self.weight,
+            self.bias,
+            self.training,
+            momentum,
+            self.eps,
+        )
         if self.training:
             self.num_batches_tracked[s] += 1  # counted once the forward has succeeded
         return out
 
 
 def per_source_batchnorm(model: nn.Module, num_sources: int = 2) -> nn.Module:
-    """A deep copy of ``model`` with every ``BatchNorm{1,2,3}d`` replaced by :class:`PerSourceBatchNorm` (a
-    bare BatchNorm layer: :meth:`PerSourceBatchNorm.from_batchnorm`).
+    """A deep copy of ``model`` with every ``BatchNorm{1,2,3}d`` replaced by
+    :class:`PerSourceBatchNorm` (a bare BatchNorm layer: :meth:`PerSourceBatchNorm.from_batchnorm`).
 
     Raises:
         ValueError: if the model has no BatchNorm layer.
     """
     model = copy.deepcopy(model)
-    if not (found := [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-                      if isinstance(child, _BN)]):
+    if not (
+        found := [
+            (parent, name, child)
+            for parent in model.modules()
+            for name, child in parent.named_children()
+            if isinstance(child, _BN)
+        ]
+    ):
         raise ValueError("the model has no BatchNorm layer to give per-source statistics.")
     for parent, name, child in found:
         setattr(parent, name, PerSourceBatchNorm.from_batchnorm(child, num_sources))
@@ -94,16 +136,18 @@ def has_sources(model: nn.Module) -> bool:
 
 @contextlib.contextmanager
 def use_source(model: nn.Module, source: int):
-    """Within the block every :class:`PerSourceBatchNorm` of ``model`` uses (and in train mode updates)
-    the statistics of ``source``; afterwards each goes back to its previous source. Without such a
-    layer (plain BatchNorm, no BatchNorm) there is nothing to switch: a no-op.
+    """Within the block every :class:`PerSourceBatchNorm` of ``model`` uses (and in train mode
+    updates) the statistics of ``source``; afterwards each goes back to its previous source. Without
+    such a layer (plain BatchNorm, no BatchNorm) there is nothing to switch: a no-op.
 
     Raises:
         ValueError: if ``source`` is out of range of a layer's sources.
     """
     layers = [m for m in model.modules() if isinstance(m, PerSourceBatchNorm)]
     if not all(0 <= source < m.num_sources for m in layers):
-        raise ValueError(f"source must be in [0, {min(m.num_sources for m in layers)}), got {source}.")
+        raise ValueError(
+            f"source must be in [0, {min(m.num_sources for m in layers)}), got {source}."
+        )
     before = [m.source for m in layers]
     try:
         for m in layers:
@@ -128,21 +172,39 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
         x: ``(N, ...)``, the model's input (e.g. ID training images), on the model's device.
 
     Raises:
-        ValueError: no BatchNorm layer with running statistics, fewer than 2 samples, ``batch_size < 2``.
+        ValueError: no BatchNorm layer with running statistics, fewer than 2 samples,
+        ``batch_size < 2``.
     """
-    if not (layers := [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))
-                       and getattr(m, "running_mean", None) is not None]):
-        raise ValueError("recalibrate_bn: the model has no BatchNorm layer with running statistics.")
+    if not (
+        layers := [
+            m
+            for m in model.modules()
+            if isinstance(m, (*_BN, PerSourceBatchNorm))
+            and getattr(m, "running_mean", None) is not None
+        ]
+    ):
+        raise ValueError(
+            "recalibrate_bn: the model has no BatchNorm layer with running statistics."
+        )
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or len(x) < 2:
         raise ValueError("recalibrate_bn needs a batch tensor x (N, ...) with N >= 2 samples.")
     if not isinstance(batch_size, int) or batch_size < 2:
-        raise ValueError(f"batch_size must be an integer >= 2 (a variance needs two samples), got {batch_size!r}.")
+        raise ValueError(
+            "batch_size must be an integer >= 2 (a variance needs two samples), got "
+            f"{batch_size!r}."
+        )
     modes, momenta = {m: m.training for m in model.modules()}, [m.momentum for m in layers]
     saved = [copy.deepcopy(m.state_dict()) for m in layers]
     try:
         for m in layers:
-            row = 0 if isinstance(m, PerSourceBatchNorm) else ...  # source 0's statistics, or all of the layer's
-            m.momentum, m.running_mean[row], m.running_var[row], m.num_batches_tracked[row] = None, 0.0, 1.0, 0
+            # source 0's statistics, or all of the layer's
+            row = 0 if isinstance(m, PerSourceBatchNorm) else ...
+            m.momentum, m.running_mean[row], m.running_var[row], m.num_batches_tracked[row] = (
+                None,
+                0.0,
+                1.0,
+                0,
+            )
         model.train()
         with use_source(model, 0):
             for chunk in [c for c in x.split(batch_size) if len(c) > 1]:

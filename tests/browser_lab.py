@@ -1,4 +1,5 @@
-"""A throw-away JupyterLab server for tests/test_browser.py, and what each notebook promises to show.
+"""A throw-away JupyterLab server for tests/test_browser.py, and what each notebook promises to
+show.
 
 ``LabServer`` starts ``python -m jupyterlab`` (the interpreter running the tests) on 127.0.0.1
 with a free port and a random token, in a throw-away workspace: the notebooks are *copied* into
@@ -6,11 +7,12 @@ with a free port and a random token, in a throw-away workspace: the notebooks ar
 ``build``, ...) is symlinked beside them, so ``../build`` and ``sys.path.insert(0, "..")`` in a
 notebook mean what they mean in the repository while the committed notebooks (kept without
 outputs) are never written to. Settings for the run (a temporary ``JUPYTERLAB_SETTINGS_DIR``):
-windowing off, so every cell is in the DOM; cell timing recorded; autosave off; no news or update checks.
-The kernels get ``MCD_QUICK=1`` and the inline matplotlib backend.
-The browser is Debian's Chromium through Playwright's ``executable_path`` (no ``playwright
-install``); tests/browser_page.py drives one notebook in it.
+windowing off, so every cell is in the DOM; cell timing recorded; autosave off; no news or update
+checks. The kernels get ``MCD_QUICK=1`` and the inline matplotlib backend. The browser is Debian's
+Chromium through Playwright's ``executable_path`` (no ``playwright install``); tests/browser_page.py
+drives one notebook in it.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,9 +31,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("MCD_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 # JupyterLab user settings for the run: plugin id -> settings (checked against the 4.x schemas).
 LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "recordTiming": True},
@@ -48,7 +56,10 @@ def browser_skip_reason() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "Playwright for Python not installed: pip install -e '.[dev]' (no browser download needed)"
+        return (
+            "Playwright for Python not installed: pip install -e '.[dev]' (no browser download "
+            "needed)"
+        )
     return None
 
 
@@ -56,16 +67,22 @@ def expectations(notebook: Path) -> dict[str, bool]:
     """What the notebook's code cells promise to show, read from their source.
 
     ``widgets``: imports ipywidgets or calls ``interact``; ``graphs``: draws an autograd graph
-    (``draw_graph``/``make_dot``/graphviz); ``figures``: uses matplotlib or ``mcd_helpers.experiments.plots``.
+    (``draw_graph``/``make_dot``/graphviz); ``figures``: uses matplotlib or
+    ``mcd_helpers.experiments.plots``.
     """
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
-    code = "\n".join("".join(c["source"]) if isinstance(c["source"], list) else c["source"]
-                     for c in cells if c["cell_type"] == "code")
+    code = "\n".join(
+        "".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+        for c in cells
+        if c["cell_type"] == "code"
+    )
     code = re.sub(r"#.*", "", code)  # comments promise nothing
     return {
         "widgets": bool(re.search(r"\bipywidgets\b|\binteract(ive|_manual)?\s*\(", code)),
         "graphs": bool(re.search(r"\bdraw_graph\s*\(|\bmake_dot\s*\(|\bgraphviz\b", code)),
-        "figures": bool(re.search(r"\bplt\.|\bmatplotlib\b|\bmcd_helpers\.plots\b|\bplot_\w+\s*\(", code)),
+        "figures": bool(
+            re.search(r"\bplt\.|\bmatplotlib\b|\bmcd_helpers\.plots\b|\bplot_\w+\s*\(", code)
+        ),
     }
 
 
@@ -76,7 +93,8 @@ def _free_port() -> int:
 
 
 class LabServer:
-    """JupyterLab on 127.0.0.1 serving a temporary copy-and-symlink workspace; ``stop()`` always cleans up."""
+    """JupyterLab on 127.0.0.1 serving a temporary copy-and-symlink workspace; ``stop()`` always
+    cleans up."""
 
     def __init__(self, notebooks: list[Path], startup_timeout: float = 180):
         self.tmp = Path(tempfile.mkdtemp(prefix="mcd-browser-"))
@@ -107,22 +125,46 @@ class LabServer:
             path.write_text(json.dumps(values))
 
     def _start(self, timeout: float):
-        env = dict(os.environ, MCD_QUICK="1", MPLBACKEND="module://matplotlib_inline.backend_inline",
-                   JUPYTERLAB_SETTINGS_DIR=str(self.tmp / "settings"),
-                   JUPYTERLAB_WORKSPACES_DIR=str(self.tmp / "workspaces"),
-                   JUPYTER_RUNTIME_DIR=str(self.runtime_dir), PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root",
-               "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={self.port}", "--ServerApp.port_retries=0",
-               f"--IdentityProvider.token={self.token}", f"--ServerApp.root_dir={self.workspace}",
-               "--ServerApp.terminals_enabled=False", "--LabApp.expose_app_in_browser=True",
-               "--LabApp.news_url=None", "--ServerApp.open_browser=False"]
+        env = dict(
+            os.environ,
+            MCD_QUICK="1",
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
+            JUPYTERLAB_SETTINGS_DIR=str(self.tmp / "settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(self.tmp / "workspaces"),
+            JUPYTER_RUNTIME_DIR=str(self.runtime_dir),
+            PYTHONUNBUFFERED="1",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={self.port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={self.token}",
+            f"--ServerApp.root_dir={self.workspace}",
+            "--ServerApp.terminals_enabled=False",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--ServerApp.open_browser=False",
+        ]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=self.workspace, env=env, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=self.workspace,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"JupyterLab exited with code {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 self.api("GET", "/api/status")
                 return
@@ -135,13 +177,15 @@ class LabServer:
         return f"http://127.0.0.1:{self.port}"
 
     def lab_url(self, notebook: str) -> str:
-        """URL opening ``notebooks/<notebook>`` in a fresh workspace of its own (no restored tabs)."""
+        """URL opening ``notebooks/<notebook>`` in a fresh workspace of its own (no restored
+        tabs)."""
         ws = re.sub(r"[^A-Za-z0-9_-]", "-", Path(notebook).stem)
         return f"{self.url}/lab/workspaces/{ws}/tree/notebooks/{notebook}?reset&token={self.token}"
 
     def api(self, method: str, path: str, timeout: float = 10):
-        req = urllib.request.Request(self.url + path, method=method,
-                                     headers={"Authorization": f"token {self.token}"})
+        req = urllib.request.Request(
+            self.url + path, method=method, headers={"Authorization": f"token {self.token}"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             body = resp.read()
         return json.loads(body) if body else None
@@ -185,7 +229,8 @@ class LabServer:
         return pids
 
     def stop(self):
-        """Stop the kernels and the server (API, then SIGTERM, then SIGKILL) and delete the workspace."""
+        """Stop the kernels and the server (API, then SIGTERM, then SIGKILL) and delete the
+        workspace."""
         if self.proc is not None and self.proc.poll() is None:
             try:
                 self.shutdown_kernels()
@@ -204,10 +249,11 @@ class LabServer:
         for pid in self._kernel_pids():  # kernels the server could not stop, with their children
             try:
                 group = os.getpgid(pid)
-                os.killpg(group, signal.SIGKILL) if group != os.getpgid(0) else os.kill(pid, signal.SIGKILL)
+                os.killpg(group, signal.SIGKILL) if group != os.getpgid(0) else os.kill(
+                    pid, signal.SIGKILL
+                )
             except ProcessLookupError:
                 pass
         if getattr(self, "_log", None):
             self._log.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
-

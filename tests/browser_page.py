@@ -5,6 +5,7 @@ Run menu, waits for the kernel, reads each cell from JupyterLab's model (what th
 and from the DOM (what was rendered: tracebacks, ipywidgets, SVG graphs, images), changes widget
 controls, and stitches a screenshot of the whole notebook panel with Pillow.
 """
+
 from __future__ import annotations
 
 import io
@@ -73,15 +74,18 @@ _FINGERPRINT_JS = r"""
 }
 """
 # Controls a reader changes, in the order tried: (CSS selector, kind).
-CONTROLS = [(".widget-dropdown select, .widget-select select", "select"),
-            (".widget-radio-box input[type=radio]:not(:checked)", "click"),
-            (".widget-toggle-buttons button:not(.mod-active)", "click"),
-            (".widget-checkbox input[type=checkbox]", "click"),
-            (".widget-slider .noUi-handle", "arrow")]
+CONTROLS = [
+    (".widget-dropdown select, .widget-select select", "select"),
+    (".widget-radio-box input[type=radio]:not(:checked)", "click"),
+    (".widget-toggle-buttons button:not(.mod-active)", "click"),
+    (".widget-checkbox input[type=checkbox]", "click"),
+    (".widget-slider .noUi-handle", "arrow"),
+]
 
 
 class NotebookPage:
-    """One notebook opened in JupyterLab in its own browser context; ``close()`` shuts its kernel down."""
+    """One notebook opened in JupyterLab in its own browser context; ``close()`` shuts its kernel
+    down."""
 
     def __init__(self, lab: LabServer, browser, name: str, viewport=(1400, 1000)):
         self.lab, self.name, self.path = lab, name, f"notebooks/{name}"
@@ -92,7 +96,8 @@ class NotebookPage:
         self.dialogs: list[str] = []
 
     def open(self, timeout_s: float = 120):
-        """Open the notebook, accept the kernel choice (default Python 3), wait for an idle kernel."""
+        """Open the notebook, accept the kernel choice (default Python 3), wait for an idle
+        kernel."""
         page = self.page
         page.goto(self.lab.lab_url(self.name), timeout=timeout_s * 1000)
         page.wait_for_selector(f"{NOTEBOOK} .jp-Notebook", timeout=timeout_s * 1000)
@@ -104,9 +109,13 @@ class NotebookPage:
                 break
             page.wait_for_timeout(500)
         else:
-            raise AssertionError(f"{self.name}: kernel not idle {timeout_s:.0f} s after opening "
-                                 f"(status {snap and snap['kernel']}); dialogs: {self.dialogs}")
-        page.evaluate("() => { const s = window.jupyterapp.shell; s.collapseLeft(); s.collapseRight(); }")
+            raise AssertionError(
+                f"{self.name}: kernel not idle {timeout_s:.0f} s after opening "
+                f"(status {snap and snap['kernel']}); dialogs: {self.dialogs}"
+            )
+        page.evaluate(
+            "() => { const s = window.jupyterapp.shell; s.collapseLeft(); s.collapseRight(); }"
+        )
 
     def _accept_dialogs(self):
         """Answer dialogs, noting their text: 'Select Kernel' (a notebook without kernelspec
@@ -143,7 +152,9 @@ class NotebookPage:
             counted = all(c["count"] is not None for c in code)
             errored = any(c["errors"] for c in code)
             if snap["kernel"] in ("dead", "unknown", "autorestarting", "restarting"):
-                raise AssertionError(f"{self.name}: kernel {snap['kernel']} during Run All; dialogs: {self.dialogs}")
+                raise AssertionError(
+                    f"{self.name}: kernel {snap['kernel']} during Run All; dialogs: {self.dialogs}"
+                )
             done = snap["kernel"] == "idle" and not running and (counted or errored)
             done_polls = done_polls + 1 if done else 0
             if done_polls >= 2:  # idle twice in a row: not a pause between two cells
@@ -151,10 +162,13 @@ class NotebookPage:
             if time.monotonic() > deadline:
                 todo = [c for c in code if c["count"] is None] or [{"index": None, "head": ""}]
                 done = sorted((c for c in code if c["seconds"]), key=lambda c: -c["seconds"])[:3]
-                raise AssertionError(f"{self.name}: Run All not finished after {timeout_s:.0f} s (kernel "
-                                     f"{snap['kernel']}; first cell not done: {todo[0]['index']}, "
-                                     f"{todo[0]['head']!r}; slowest done: "
-                                     + ", ".join(f"cell {c['index']} {c['seconds']:.0f} s" for c in done) + ")")
+                raise AssertionError(
+                    f"{self.name}: Run All not finished after {timeout_s:.0f} s (kernel "
+                    f"{snap['kernel']}; first cell not done: {todo[0]['index']}, "
+                    f"{todo[0]['head']!r}; slowest done: "
+                    + ", ".join(f"cell {c['index']} {c['seconds']:.0f} s" for c in done)
+                    + ")"
+                )
 
     def wait_idle(self, timeout_s: float = 120):
         deadline = time.monotonic() + timeout_s
@@ -185,8 +199,13 @@ class NotebookPage:
                 control.scroll_into_view_if_needed()
                 if kind == "select":
                     current = control.input_value()
-                    others = [v for v in control.locator("option").evaluate_all("os => os.map(o => o.value)")
-                              if v != current]
+                    others = [
+                        v
+                        for v in control.locator("option").evaluate_all(
+                            "os => os.map(o => o.value)"
+                        )
+                        if v != current
+                    ]
                     if not others:
                         continue
                     control.select_option(others[0])
@@ -211,11 +230,14 @@ class NotebookPage:
 
     @staticmethod
     def _label(control) -> str:
-        return control.evaluate("e => (e.closest('.jupyter-widgets').querySelector('.widget-label') || {}).innerText"
-                                " || e.innerText || e.value || ''").strip()[:60]
+        return control.evaluate(
+            "e => (e.closest('.jupyter-widgets').querySelector('.widget-label') || {}).innerText"
+            " || e.innerText || e.value || ''"
+        ).strip()[:60]
 
     def _updated(self, before: str, timeout_s: float) -> bool:
-        """Wait for the outputs to change, then for the kernel to finish; True if they ended up different."""
+        """Wait for the outputs to change, then for the kernel to finish; True if they ended up
+        different."""
         deadline, idle_since = time.monotonic() + timeout_s, None
         while time.monotonic() < deadline:
             self.page.wait_for_timeout(500)
@@ -236,19 +258,29 @@ class NotebookPage:
 
         page = self.page
         scroller = page.evaluate_handle(
-            "(path) => { const p = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && "
-            "w.context.path === path); const n = p.content.node; return [n, ...n.querySelectorAll('*')]"
-            ".find(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY) && e.clientHeight > 50) || n; }",
-            self.path).as_element()
+            "(path) => { const p = [...window.jupyterapp.shell.widgets('main')].find(w => "
+            "w.context && w.context.path === path); const n = p.content.node; return [n, "
+            "...n.querySelectorAll('*')]"
+            ".find(e => ['auto', 'scroll'].includes(getComputedStyle(e).overflowY) && "
+            "e.clientHeight > 50) || n; }",
+            self.path,
+        ).as_element()
         box = scroller.bounding_box()
         # up to the last cell's bottom edge: JupyterLab pads the end so the last cell can scroll up
-        total = min(max_height, scroller.evaluate(
-            "e => { const cells = e.querySelectorAll('.jp-Cell'), last = cells[cells.length - 1];"
-            " if (!last) return e.scrollHeight; return Math.ceil(Math.min(e.scrollHeight, e.scrollTop + 24 +"
-            " last.getBoundingClientRect().bottom - e.getBoundingClientRect().top)); }"))
+        total = min(
+            max_height,
+            scroller.evaluate(
+                "e => { const cells = e.querySelectorAll('.jp-Cell'), last = "
+                "cells[cells.length - 1]; if (!last) return e.scrollHeight; return "
+                "Math.ceil(Math.min(e.scrollHeight, e.scrollTop + 24 +"
+                " last.getBoundingClientRect().bottom - e.getBoundingClientRect().top)); }"
+            ),
+        )
         view = scroller.evaluate("e => e.clientHeight")
         width = page.viewport_size["width"]
-        top = Image.open(io.BytesIO(page.screenshot(clip={"x": 0, "y": 0, "width": width, "height": box["y"]})))
+        top = Image.open(
+            io.BytesIO(page.screenshot(clip={"x": 0, "y": 0, "width": width, "height": box["y"]}))
+        )
         sheet = Image.new("RGB", (width, int(box["y"]) + total), "white")
         sheet.paste(top, (0, 0))
         y, prev = 0, None
@@ -257,11 +289,19 @@ class NotebookPage:
             if prev is not None and actual <= prev:
                 break
             page.wait_for_timeout(200)
-            tile = Image.open(io.BytesIO(page.screenshot(
-                clip={"x": box["x"], "y": box["y"], "width": box["width"], "height": view})))
+            tile = Image.open(
+                io.BytesIO(
+                    page.screenshot(
+                        clip={"x": box["x"], "y": box["y"], "width": box["width"], "height": view}
+                    )
+                )
+            )
             # below the first tile, drop the top rows: the toolbar's shadow falls on them
             skip = 0 if prev is None else _OVERLAP
-            sheet.paste(tile.crop((0, skip, tile.width, tile.height)), (int(box["x"]), int(box["y"]) + actual + skip))
+            sheet.paste(
+                tile.crop((0, skip, tile.width, tile.height)),
+                (int(box["x"]), int(box["y"]) + actual + skip),
+            )
             if actual + view >= total:
                 break
             prev, y = actual, actual + view - _OVERLAP

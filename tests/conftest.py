@@ -21,8 +21,6 @@ os.environ["XDG_CACHE_HOME"] = str(TEST_CACHE / "xdg")
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    if "mcd_helpers.pipeline" in sys.modules:  # each test scores its baselines itself (evaluate's memo)
-        sys.modules["mcd_helpers.pipeline"]._MEMO.clear()
     yield
 
 
@@ -31,3 +29,42 @@ def tmp_data_dir(tmp_path, monkeypatch):
     """An empty $MCD_DATA_DIR for tests that must not see the suite's shared cache."""
     monkeypatch.setenv("MCD_DATA_DIR", str(tmp_path / "data"))
     return tmp_path / "data"
+
+
+@pytest.fixture(scope="session")
+def data():
+    """The toy config's ID images (tests/pipeline_setup.py)."""
+    from pipeline_setup import TINY
+
+    from mcd_helpers.experiments.stages import load_data
+
+    return load_data(TINY)
+
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory, data):
+    """run_ood_set on the toy config (two strategies, both selections) in a cache of its own, shared
+    by the pipeline's tests; ``calls`` is the strategy of each training (None: pre-training)."""
+    from pipeline_setup import TINY
+
+    from mcd_helpers.experiments import stages
+    from mcd_helpers.experiments.pipeline import run_ood_set
+
+    env, spy, calls = pytest.MonkeyPatch(), pytest.MonkeyPatch(), []
+    env.setenv("MCD_DATA_DIR", str(tmp_path_factory.mktemp("pipeline-cache")))
+    real = stages.train
+    spy.setattr(stages, "train", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    split = stages.make_split(TINY, data, "gaussian")
+    how = stages.RunOptions(progress=False, log=None)
+    res = run_ood_set(TINY, split, "gaussian", selections=("ood-labels", "last-epoch"), how=how)
+    spy.undo()
+    yield res, calls
+    env.undo()
+
+
+@pytest.fixture
+def no_training(monkeypatch):
+    """Any training fails the test: what is asked must come from the cache."""
+    from mcd_helpers.experiments import stages
+
+    monkeypatch.setattr(stages, "train", lambda *a, **k: pytest.fail("trained instead of loading"))

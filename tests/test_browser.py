@@ -9,9 +9,9 @@ Run > Run All Cells, wait for the kernel, then check what a reader would see:
   "VBox(...)" text that shows when the JupyterLab widgets extension is missing), SVG (torchviz
   graphs) as decoded images with graph nodes, PNG (matplotlib figures) as decoded images;
 - what the source promises is there: a notebook that imports ipywidgets shows widgets, and (in
-  every notebook that shows widgets) a change to one of its controls (a dropdown: another option; where controls act only through a
-  button, the button is pressed too) changes an output; one that draws autograd graphs shows an
-  SVG graph with nodes; one that uses matplotlib shows a figure.
+  every notebook that shows widgets) a change to one of its controls (a dropdown: another option;
+  where controls act only through a button, the button is pressed too) changes an output; one that
+  draws autograd graphs shows an SVG graph with nodes; one that uses matplotlib shows a figure.
 
 A tall screenshot of each notebook goes to build/screenshots/NAME.png (also when a check fails)
 and the wall times to build/browser_times.json. JupyterLab serves a temporary copy of the
@@ -23,6 +23,7 @@ Environment: MCD_BROWSER_NOTEBOOKS (paths or globs, ``os.pathsep``-separated) ru
 notebooks instead; MCD_SCREENSHOT_DIR moves the screenshots; MCD_BROWSER_TIMEOUT (seconds per
 notebook, default 480); MCD_CHROMIUM (the browser, default /usr/bin/chromium).
 """
+
 from __future__ import annotations
 
 import glob
@@ -33,8 +34,15 @@ import time
 from pathlib import Path
 
 import pytest
-
-from browser_lab import CHROMIUM, CHROMIUM_ARGS, ROOT, WIDGET_MIME, LabServer, browser_skip_reason, expectations
+from browser_lab import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    ROOT,
+    WIDGET_MIME,
+    LabServer,
+    browser_skip_reason,
+    expectations,
+)
 from browser_page import NotebookPage
 
 pytestmark = pytest.mark.browser
@@ -84,15 +92,19 @@ def _rendering_problems(cells: list[dict]) -> list[str]:
         mimes = [m for o in c["outputs"] for m in o["mimes"]]
         where = f"cell {c['index']} [{c['count']}]"
         if WIDGET_MIME in mimes and not c["widgets"]:
-            problems.append(f"{where}: a widget view was sent but no ipywidgets rendered "
-                            "(is @jupyter-widgets/jupyterlab-manager enabled?)")
+            problems.append(
+                f"{where}: a widget view was sent but no ipywidgets rendered "
+                "(is @jupyter-widgets/jupyterlab-manager enabled?)"
+            )
         if c["widgetProblems"]:
             problems.append(f"{where}: {c['widgetProblems'][0][:300]}")
         pictures = sum(bool(PICTURE_MIMES & set(o["mimes"])) for o in c["outputs"])
         shown = sum(s["w"] > 0 for s in c["svgs"]) + sum(i["w"] > 0 for i in c["images"])
         if pictures > shown:
-            problems.append(f"{where}: {pictures} SVG/PNG outputs were sent but {shown} rendered as images "
-                            f"(SVGs {c['svgs']}, images {c['images']})")
+            problems.append(
+                f"{where}: {pictures} SVG/PNG outputs were sent but {shown} rendered as images "
+                f"(SVGs {c['svgs']}, images {c['images']})"
+            )
     return problems
 
 
@@ -107,8 +119,10 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         run_s = time.monotonic() - start
         cells = snap["cells"]
         slow = sorted((c for c in cells if c["seconds"]), key=lambda c: -c["seconds"])[:3]
-        print(f"{path.name}: kernel time {sum(c['seconds'] or 0 for c in cells):.0f} s; slowest cells "
-              + ", ".join(f"[{c['count']}] {c['seconds']:.1f} s" for c in slow))
+        print(
+            f"{path.name}: kernel time {sum(c['seconds'] or 0 for c in cells):.0f} s; "
+            "slowest cells " + ", ".join(f"[{c['count']}] {c['seconds']:.1f} s" for c in slow)
+        )
         errors = [(c["index"], c["count"], e) for c in cells for e in c["errors"]]
         assert not errors, "error output in cell {} [{}]:\n{}".format(*errors[0])
         assert not any(o["type"] == "error" for c in cells for o in c["outputs"])
@@ -118,26 +132,36 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         images = [i for c in cells for i in c["images"]]
         if expect["graphs"]:
             assert any(s["w"] > 0 and s["nodes"] > 0 for s in svgs), (
-                f"the notebook draws autograd graphs, but no SVG graph with nodes is in the page: {svgs}")
+                "the notebook draws autograd graphs, but no SVG graph with nodes is in "
+                f"the page: {svgs}"
+            )
         if expect["figures"]:
             assert any(i["w"] > 0 and i["h"] > 0 for i in images), (
-                "the notebook uses matplotlib, but no figure image is in the page")
+                "the notebook uses matplotlib, but no figure image is in the page"
+            )
         # a notebook may show widgets built in mcd_helpers without importing ipywidgets itself
         sent_widgets = any(WIDGET_MIME in o["mimes"] for c in cells for o in c["outputs"])
         if expect["widgets"] or sent_widgets:
-            assert sum(c["widgets"] for c in cells), "the notebook uses ipywidgets, but no widget is in the page"
+            assert sum(c["widgets"] for c in cells), (
+                "the notebook uses ipywidgets, but no widget is in the page"
+            )
             tried = nb.change_controls(timeout_s=TIMEOUT_S)
             print(f"{path.name}: controls changed: {tried}")
             assert tried, "the notebook uses ipywidgets, but the page has no control to change"
-            assert any(t["updated"] for t in tried), f"changing a control updated no output: {tried}"
+            assert any(t["updated"] for t in tried), (
+                f"changing a control updated no output: {tried}"
+            )
             after = nb.snapshot()["cells"]
             late = [(c["index"], e) for c in after for e in c["errors"]]
             assert not late, "error output after changing a control, cell {}:\n{}".format(*late[0])
         assert hashlib.sha256(path.read_bytes()).digest() == committed, (
-            f"{path} changed during the run (written back by JupyterLab, or edited meanwhile)")
-        print(f"{path.name}: open + Run All {run_s:.0f} s, {len(images)} images, {len(svgs)} SVGs, "
-              f"{sum(c['widgets'] for c in cells)} widget elements; expected {expect}; "
-              f"dialogs {nb.dialogs}; browser console errors: {nb.console_errors[:3]}")
+            f"{path} changed during the run (written back by JupyterLab, or edited meanwhile)"
+        )
+        print(
+            f"{path.name}: open + Run All {run_s:.0f} s, {len(images)} images, {len(svgs)} SVGs, "
+            f"{sum(c['widgets'] for c in cells)} widget elements; expected {expect}; "
+            f"dialogs {nb.dialogs}; browser console errors: {nb.console_errors[:3]}"
+        )
         checked = True
     finally:
         try:

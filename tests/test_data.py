@@ -1,6 +1,7 @@
-"""mcd_helpers.data: folders, IDX files, the Fashion-MNIST lookup order, CIFAR and ODIN's folders on stand-ins
-written here (torchvision's pickles, tar.gz of PNGs), the OOD sets and the loader helper. No network: every
-download is cut (urllib, and torchvision's IDX classes replaced)."""
+"""mcd_helpers.data: folders, IDX files, the Fashion-MNIST lookup order, CIFAR and ODIN's folders on
+stand-ins written here (torchvision's pickles, tar.gz of PNGs), the OOD sets and the loader helper.
+No network: every download is cut (urllib, and torchvision's IDX classes replaced)."""
+
 import gzip
 import hashlib
 import itertools
@@ -19,13 +20,23 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchvision.datasets import CIFAR10, CIFAR100
 
 import mcd_helpers.data as data
-from mcd_helpers.data import (DataNotFoundError, data_present, infinite_loader, load_id, load_ood, odin_noise,
-                              pixel_std, read_idx)
+from mcd_helpers.data import (
+    DataNotFoundError,
+    data_present,
+    infinite_loader,
+    load_id,
+    load_ood,
+    odin_noise,
+    pixel_std,
+    read_idx,
+)
 
-FM_MEAN, FM_STD = 0.2860, 0.3530  # the docstrings' Fashion-MNIST statistics (checked on the raw pixels below)
+# the docstrings' Fashion-MNIST statistics (checked on the raw pixels below)
+FM_MEAN, FM_STD = (0.2860, 0.3530)
 CIFAR_MEAN = np.array([125.3, 123.0, 113.9]) / 255
 CIFAR_STD = np.array([63.0, 62.1, 66.7]) / 255
-PHI_MINUS_HALF = 0.5 * math.erfc(0.5 / math.sqrt(2))  # P(Z < -0.5) = 0.3085: clamp(N(0.5, 1), 0, 1) at 0 (and at 1)
+# P(Z < -0.5) = 0.3085: clamp(N(0.5, 1), 0, 1) at 0 (and at 1)
+PHI_MINUS_HALF = 0.5 * math.erfc(0.5 / math.sqrt(2))
 REAL_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -46,11 +57,15 @@ def no_debian(tmp_path, monkeypatch):
 
 # ---- folders ------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("env, want", [
-    ({"MCD_DATA_DIR": "~/mine", "XDG_CACHE_HOME": "/x"}, Path.home() / "mine"),
-    ({"MCD_DATA_DIR": "", "XDG_CACHE_HOME": "/x/cache"}, Path("/x/cache/mcd_helpers")),
-    ({"MCD_DATA_DIR": None, "XDG_CACHE_HOME": None}, Path.home() / ".cache" / "mcd_helpers"),
-])
+
+@pytest.mark.parametrize(
+    "env, want",
+    [
+        ({"MCD_DATA_DIR": "~/mine", "XDG_CACHE_HOME": "/x"}, Path.home() / "mine"),
+        ({"MCD_DATA_DIR": "", "XDG_CACHE_HOME": "/x/cache"}, Path("/x/cache/mcd_helpers")),
+        ({"MCD_DATA_DIR": None, "XDG_CACHE_HOME": None}, Path.home() / ".cache" / "mcd_helpers"),
+    ],
+)
 def test_data_dir(monkeypatch, env, want):
     for k, v in env.items():
         monkeypatch.setenv(k, v) if v is not None else monkeypatch.delenv(k, raising=False)
@@ -61,18 +76,23 @@ def test_writable_makes_the_folder_and_leaves_no_probe(tmp_path):
     folder = tmp_path / "a" / "b"
     assert data.writable(folder) and folder.is_dir() and list(folder.iterdir()) == []
     (tmp_path / "file").write_text("x")
-    assert not data.writable(tmp_path / "file" / "sub")  # under a file: no folder can be made (even as root)
+    # under a file: no folder can be made (even as root)
+    assert not data.writable(tmp_path / "file" / "sub")
 
 
 def test_cache_dir_is_the_data_folder_then_the_fallback(tmp_data_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("MCD_CACHE_DIR", str(tmp_path / "fallback"))
     assert data.cache_dir() == tmp_data_dir
     real = data.writable
-    monkeypatch.setattr(data, "writable", lambda f: Path(f) != tmp_data_dir and real(f))  # a read-only data folder
+    # a read-only data folder
+    monkeypatch.setattr(data, "writable", lambda f: Path(f) != tmp_data_dir and real(f))
     assert data.cache_dir() == tmp_path / "fallback"
     monkeypatch.setattr(data, "writable", lambda f: False)
-    with pytest.raises(PermissionError, match=f"neither the data folder {tmp_data_dir} nor the cache folder "
-                                              f"{tmp_path / 'fallback'} can be written; set MCD_CACHE_DIR"):
+    with pytest.raises(
+        PermissionError,
+        match=f"neither the data folder {tmp_data_dir} nor the cache folder "
+        f"{tmp_path / 'fallback'} can be written; set MCD_CACHE_DIR",
+    ):
         data.cache_dir()
 
 
@@ -87,12 +107,17 @@ def test_a_really_read_only_data_folder_falls_back(tmp_data_dir, tmp_path, monke
         tmp_data_dir.chmod(0o755)
 
 
-# ---- IDX files --------------------------------------------------------------------------------------
+# ---- IDX files -----------------------------------------------------------------------------------
+
 
 def idx_bytes(array):
-    """MNIST's IDX format by hand: 0, 0, type 0x08 (ubyte), ndim; each size as 4 bytes big-endian; the bytes."""
-    return bytes([0, 0, 8, array.ndim]) + b"".join(int(s).to_bytes(4, "big") for s in array.shape) + \
-        array.astype(np.uint8).tobytes()
+    """MNIST's IDX format by hand: 0, 0, type 0x08 (ubyte), ndim; each size as 4 bytes big-endian;
+    the bytes."""
+    return (
+        bytes([0, 0, 8, array.ndim])
+        + b"".join(int(s).to_bytes(4, "big") for s in array.shape)
+        + array.astype(np.uint8).tobytes()
+    )
 
 
 def write_idx(path, array, gz):
@@ -106,7 +131,8 @@ def write_idx(path, array, gz):
 
 
 def fake_set(folder, gz=True, seed=0, names=("train", "t10k"), n=(4, 3)):
-    """Four (or two) IDX files of a stand-in Fashion-MNIST in ``folder``; returns {split: (images, labels)}."""
+    """Four (or two) IDX files of a stand-in Fashion-MNIST in ``folder``; returns {split: (images,
+    labels)}."""
     rng, out = np.random.RandomState(seed), {}
     for split, k in zip(names, n):
         out[split] = rng.randint(0, 256, (k, 28, 28)), rng.randint(0, 10, k)
@@ -120,19 +146,27 @@ def normalised(images):
 
 
 @pytest.mark.parametrize("gz", [True, False], ids=["gz", "extracted"])
-@pytest.mark.parametrize("array", [np.arange(2 * 3 * 5).reshape(2, 3, 5) * 7 % 256, np.array([9, 0, 255, 3])],
-                         ids=["images", "labels"])
+@pytest.mark.parametrize(
+    "array",
+    [np.arange(2 * 3 * 5).reshape(2, 3, 5) * 7 % 256, np.array([9, 0, 255, 3])],
+    ids=["images", "labels"],
+)
 def test_read_idx(tmp_path, gz, array):
     write_idx(tmp_path / "f", array, gz)
     x = read_idx(tmp_path / ("f.gz" if gz else "f"))
     assert x.dtype == torch.uint8 and x.tolist() == array.tolist()
 
 
-DAMAGES = [  # (file name, bytes written, the problem the message names); the file: 16 header + 160 bytes
+# (file name, bytes written, the problem the message names); the file: 16 header + 160 bytes
+DAMAGES = [
     ("f", lambda b: b[:-5], r"is cut short: 171 bytes, its header's shape \(5, 4, 8\) needs 176"),
     ("f", lambda b: b[:6], r"is cut short: 6 bytes, its header's shape None needs 16"),
     ("f", lambda b: b + b"\0" * 3, "is longer than its header says: 179 bytes"),
-    ("f", lambda b: b"\0\0\x09\x03" + b[4:], "is not an IDX file of images or labels: its first bytes are 00000903"),
+    (
+        "f",
+        lambda b: b"\0\0\x09\x03" + b[4:],
+        "is not an IDX file of images or labels: its first bytes are 00000903",
+    ),
     ("f", lambda b: b"", "its first bytes are missing"),
     ("f.gz", lambda b: b, r"is cut short or not gzip \(BadGzipFile: "),
     ("f.gz", lambda b: gzip.compress(b)[:-30], r"is cut short or not gzip \(EOFError: "),
@@ -141,12 +175,15 @@ DAMAGES = [  # (file name, bytes written, the problem the message names); the fi
 
 @pytest.mark.parametrize("name, damage, problem", DAMAGES)
 def test_read_idx_names_the_damage_and_the_fix(tmp_path, name, damage, problem):
-    (tmp_path / name).write_bytes(damage(idx_bytes(np.random.RandomState(0).randint(0, 256, (5, 4, 8)))))
+    (tmp_path / name).write_bytes(
+        damage(idx_bytes(np.random.RandomState(0).randint(0, 256, (5, 4, 8))))
+    )
     with pytest.raises(DataNotFoundError, match=f"{tmp_path / name}.*{problem}.*Do this"):
         read_idx(tmp_path / name, fix="Do this.")
 
 
-# ---- Fashion-MNIST: where it is looked for, in order ----------------------------------------------------
+# ---- Fashion-MNIST: where it is looked for, in order ---------------------------------------------
+
 
 def test_lookup_order_data_folder_then_debian_then_download(tmp_data_dir, tmp_path, monkeypatch):
     import torchvision.datasets
@@ -155,9 +192,11 @@ def test_lookup_order_data_folder_then_debian_then_download(tmp_data_dir, tmp_pa
     monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", deb)
     downloaded = []
 
-    def download(root, train, download):  # torchvision's FashionMNIST(root, train=False, download=True)
+    # torchvision's FashionMNIST(root, train=False, download=True)
+    def download(root, train, download):
         downloaded.append(Path(root))
         fake_set(Path(root) / "FashionMNIST" / "raw", seed=3)
+
     monkeypatch.setattr(torchvision.datasets, "FashionMNIST", download)
     raw = tmp_data_dir / "FashionMNIST" / "raw"
     sets = {"data": fake_set(raw, seed=1), "debian": fake_set(deb, seed=2)}
@@ -167,16 +206,27 @@ def test_lookup_order_data_folder_then_debian_then_download(tmp_data_dir, tmp_pa
     x, y = data.load_fashion_mnist(train=True)  # 2. the Debian package, read in place
     torch.testing.assert_close(x, normalised(sets["debian"]["train"][0]))
     assert y.tolist() == sets["debian"]["train"][1].tolist() and y.dtype == torch.int64
-    assert sorted(p.name for p in raw.iterdir()) == ["t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz",
-                                                     "train-images-idx3-ubyte.gz"]  # nothing extracted or copied
+    # nothing extracted or copied
+    assert sorted(p.name for p in raw.iterdir()) == [
+        "t10k-images-idx3-ubyte.gz",
+        "t10k-labels-idx1-ubyte.gz",
+        "train-images-idx3-ubyte.gz",
+    ]
     assert downloaded == []
     for p in deb.iterdir():
         p.unlink()
-    x, y = data.load_fashion_mnist(train=False)  # 3. torchvision's download, in a private folder, renamed into raw
-    assert len(downloaded) == 1 and downloaded[0].parent == tmp_data_dir and downloaded[0].name.startswith(".partial-")
+    # 3. torchvision's download, in a private folder, renamed into raw
+    x, y = data.load_fashion_mnist(train=False)
+    assert (
+        len(downloaded) == 1
+        and downloaded[0].parent == tmp_data_dir
+        and downloaded[0].name.startswith(".partial-")
+    )
     assert y.tolist() == fake_set(tmp_path / "again", seed=3)["t10k"][1].tolist()
-    assert sorted(p.name for p in tmp_data_dir.iterdir()) == ["FashionMNIST"]  # the private folder is gone
-    assert len(list(raw.iterdir())) == 4  # the downloaded four, three of them over the files there were
+    # the private folder is gone
+    assert sorted(p.name for p in tmp_data_dir.iterdir()) == ["FashionMNIST"]
+    # the downloaded four, three of them over the files there were
+    assert len(list(raw.iterdir())) == 4
     data.load_fashion_mnist(train=False)
     assert len(downloaded) == 1  # found in place next time
 
@@ -190,51 +240,79 @@ def test_extracted_files_are_preferred_to_gz(tmp_data_dir, no_debian):
     assert y.tolist() == want[1].tolist()
 
 
-def test_missing_fashion_mnist_names_every_place_and_the_download_error(tmp_data_dir, no_debian, monkeypatch):
+def test_missing_fashion_mnist_names_every_place_and_the_download_error(
+    tmp_data_dir, no_debian, monkeypatch
+):
     import torchvision.datasets
 
     monkeypatch.setattr(torchvision.datasets, "FashionMNIST", lambda *a, **k: _no_network())
-    with pytest.raises(DataNotFoundError, match=(
-            f"FashionMNIST was not found. Looked in: {tmp_data_dir / 'FashionMNIST' / 'raw'}/ .*; {no_debian} "
-            rf"\(`sudo apt-get install dataset-fashion-mnist`\) \(\$MCD_DATA_DIR = {tmp_data_dir}\); torchvision's "
-            r"download failed \(OSError: no network in tests\). Go online or put the files there")):
+    with pytest.raises(
+        DataNotFoundError,
+        match=(
+            "FashionMNIST was not found. Looked in: "
+            f"{tmp_data_dir / 'FashionMNIST' / 'raw'}/ .*; {no_debian} "
+            r"\(`sudo apt-get install dataset-fashion-mnist`\) \(\$MCD_DATA_DIR = "
+            rf"{tmp_data_dir}\); torchvision's "
+            r"download failed \(OSError: no network in tests\). Go online or put the files there"
+        ),
+    ):
         data.load_fashion_mnist(train=False)
 
 
 @pytest.mark.parametrize("where", ["data", "debian"])
-@pytest.mark.parametrize("damage, problem", [(lambda b: b[:-100], "cut short"), (lambda b: b"\1" + b[1:], "not an IDX"),
-                                             (lambda b: b + b"\0", "longer than its header says")])
-def test_a_damaged_fashion_mnist_file_is_named_with_the_fix(tmp_data_dir, tmp_path, monkeypatch, where, damage, problem):
+@pytest.mark.parametrize(
+    "damage, problem",
+    [
+        (lambda b: b[:-100], "cut short"),
+        (lambda b: b"\1" + b[1:], "not an IDX"),
+        (lambda b: b + b"\0", "longer than its header says"),
+    ],
+)
+def test_a_damaged_fashion_mnist_file_is_named_with_the_fix(
+    tmp_data_dir, tmp_path, monkeypatch, where, damage, problem
+):
     folder = tmp_data_dir / "FashionMNIST" / "raw" if where == "data" else tmp_path / "debian"
     monkeypatch.setattr(data, "DEBIAN_FMNIST_DIR", tmp_path / "debian")
     fake_set(folder)
     path = folder / "t10k-images-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(damage(gzip.decompress(path.read_bytes()))))
-    fix = (f"Delete it and put a good copy in {folder}" if where == "data"
-           else r"Reinstall it: `sudo apt-get install --reinstall dataset-fashion-mnist`")
+    fix = (
+        f"Delete it and put a good copy in {folder}"
+        if where == "data"
+        else r"Reinstall it: `sudo apt-get install --reinstall dataset-fashion-mnist`"
+    )
     with pytest.raises(DataNotFoundError, match=f"{path}.*{problem}.*{fix}"):
         data.load_fashion_mnist(train=False)
 
 
-@pytest.mark.parametrize("images, labels, shapes", [
-    (np.zeros((3, 27, 28)), np.zeros(3), r"\(3, 27, 28\).*\(3,\), labels up to 0"),
-    (np.zeros((3, 28, 28)), np.array([0, 10, 1]), r"labels up to 10"),
-    (np.zeros((3, 28, 28)), np.zeros(2), r"\(3, 28, 28\).*\(2,\)"),
-])
+@pytest.mark.parametrize(
+    "images, labels, shapes",
+    [
+        (np.zeros((3, 27, 28)), np.zeros(3), r"\(3, 27, 28\).*\(3,\), labels up to 0"),
+        (np.zeros((3, 28, 28)), np.array([0, 10, 1]), r"labels up to 10"),
+        (np.zeros((3, 28, 28)), np.zeros(2), r"\(3, 28, 28\).*\(2,\)"),
+    ],
+)
 def test_files_of_another_shape_are_refused(tmp_data_dir, no_debian, images, labels, shapes):
     raw = tmp_data_dir / "FashionMNIST" / "raw"
     fake_set(raw)
-    write_idx(raw / "t10k-images-idx3-ubyte", images, gz=False)  # the extracted files are read first
+    # the extracted files are read first
+    write_idx(raw / "t10k-images-idx3-ubyte", images, gz=False)
     write_idx(raw / "t10k-labels-idx1-ubyte", labels, gz=False)
-    with pytest.raises(DataNotFoundError, match=f"{shapes}.*are not 28x28 images with a label 0-9 each. Delete it"):
+    with pytest.raises(
+        DataNotFoundError, match=f"{shapes}.*are not 28x28 images with a label 0-9 each. Delete it"
+    ):
         data.load_fashion_mnist(train=False)
 
 
 @pytest.mark.skipif(not REAL_FMNIST.exists(), reason="dataset-fashion-mnist not installed")
 def test_real_fashion_mnist(tmp_data_dir):
-    x, y = load_id("fashion_mnist", train=True)  # the Debian package: the suite's data dir is replaced by an empty one
+    # the Debian package: the suite's data dir is replaced by an empty one
+    x, y = load_id("fashion_mnist", train=True)
     assert x.shape == (60_000, 1, 28, 28) and x.dtype == torch.float32
-    assert x.mean().item() == pytest.approx(0.0, abs=5e-4) and x.std().item() == pytest.approx(1.0, abs=5e-4)
+    assert x.mean().item() == pytest.approx(0.0, abs=5e-4) and x.std().item() == pytest.approx(
+        1.0, abs=5e-4
+    )
     assert torch.bincount(y).tolist() == [6000] * 10
     x, y = load_id("fashion_mnist", train=False)
     with gzip.open(REAL_FMNIST / "t10k-images-idx3-ubyte.gz") as f:
@@ -245,41 +323,55 @@ def test_real_fashion_mnist(tmp_data_dir):
 
 @pytest.mark.skipif(not REAL_FMNIST.exists(), reason="dataset-fashion-mnist not installed")
 def test_normalisation_constants_are_the_training_pixels_statistics():
-    # notebook 01's claim, from the raw bytes of the Debian package (numpy and gzip, not the package's reader)
+    # notebook 01's claim, from the raw bytes of the Debian package (numpy and gzip, not the
+    # package's reader)
     with gzip.open(REAL_FMNIST / "train-images-idx3-ubyte.gz") as f:
         pixels = np.frombuffer(f.read(), np.uint8)[16:] / 255.0  # 60,000 x 784 values in [0, 1]
     assert pixels.size == 60_000 * 784
-    assert abs(pixels.mean() - data.FMNIST_MEAN) < 5e-5 and abs(pixels.std() - data.FMNIST_STD) < 5e-5
+    assert (
+        abs(pixels.mean() - data.FMNIST_MEAN) < 5e-5 and abs(pixels.std() - data.FMNIST_STD) < 5e-5
+    )
 
 
-# ---- MNIST, the fifth Fashion-MNIST OOD set ---------------------------------------------------------------
+# ---- MNIST, the fifth Fashion-MNIST OOD set ------------------------------------------------------
+
 
 def test_mnist_is_read_from_the_data_folder_and_its_absence_is_named(tmp_data_dir, monkeypatch):
     import torchvision.datasets
 
     monkeypatch.setattr(torchvision.datasets, "MNIST", lambda *a, **k: _no_network())
-    with pytest.raises(DataNotFoundError, match=f"MNIST was not found. Looked in: {tmp_data_dir / 'MNIST' / 'raw'}/ "
-                                                r"\(.gz or extracted\) \(\$MCD_DATA_DIR"):
+    with pytest.raises(
+        DataNotFoundError,
+        match=f"MNIST was not found. Looked in: {tmp_data_dir / 'MNIST' / 'raw'}/ "
+        r"\(.gz or extracted\) \(\$MCD_DATA_DIR",
+    ):
         load_ood("mnist")
     want = fake_set(tmp_data_dir / "MNIST" / "raw", names=("t10k",), n=(5,))["t10k"][0]
     torch.testing.assert_close(load_ood("mnist"), normalised(want))
 
 
-# ---- CIFAR through torchvision -------------------------------------------------------------------------
+# ---- CIFAR through torchvision -------------------------------------------------------------------
+
 
 def md5(path):
     return hashlib.md5(Path(path).read_bytes()).hexdigest()
 
 
 def write_cifar(root, cls, sizes, seed, monkeypatch):
-    """Pickled batches in torchvision's layout, their MD5s made the expected ones; returns {file: (data, labels)}."""
+    """Pickled batches in torchvision's layout, their MD5s made the expected ones; returns {file:
+    (data, labels)}."""
     folder, rng, written = root / cls.base_folder, np.random.RandomState(seed), {}
     folder.mkdir(parents=True)
     n_classes, key = (10, "labels") if cls is CIFAR10 else (100, "fine_labels")
     for (name, _), n in zip([*cls.train_list, *cls.test_list], sizes):
-        written[name] = rng.randint(0, 256, (n, 3072)).astype(np.uint8), rng.randint(0, n_classes, n).tolist()
+        written[name] = (
+            rng.randint(0, 256, (n, 3072)).astype(np.uint8),
+            rng.randint(0, n_classes, n).tolist(),
+        )
         with open(folder / name, "wb") as f:
-            pickle.dump({"data": written[name][0], key: written[name][1], "coarse_labels": [0] * n}, f)
+            pickle.dump(
+                {"data": written[name][0], key: written[name][1], "coarse_labels": [0] * n}, f
+            )
     with open(folder / cls.meta["filename"], "wb") as f:
         pickle.dump({cls.meta["key"]: [f"class{i}" for i in range(n_classes)]}, f)
     monkeypatch.setattr(cls, "train_list", [[f, md5(folder / f)] for f, _ in cls.train_list])
@@ -289,35 +381,52 @@ def write_cifar(root, cls, sizes, seed, monkeypatch):
 
 
 def cifar_by_hand(rows):
-    """(n, 3072) uint8: 1024 red, 1024 green, 1024 blue values, each 32x32 row-major -> normalised (n, 3, 32, 32)."""
+    """(n, 3072) uint8: 1024 red, 1024 green, 1024 blue values, each 32x32 row-major -> normalised
+    (n, 3, 32, 32)."""
     x = rows.reshape(-1, 3, 32, 32).astype(np.float64) / 255
     return (x - CIFAR_MEAN[None, :, None, None]) / CIFAR_STD[None, :, None, None]
 
 
-@pytest.mark.parametrize("cls, name, train, sizes", [
-    (CIFAR10, "cifar10", False, [2, 2, 2, 2, 2, 5]), (CIFAR10, "cifar10", True, [1, 2, 3, 1, 2, 1]),
-    (CIFAR100, "cifar100", False, [4, 3]), (CIFAR100, "cifar100", True, [4, 3])])
+@pytest.mark.parametrize(
+    "cls, name, train, sizes",
+    [
+        (CIFAR10, "cifar10", False, [2, 2, 2, 2, 2, 5]),
+        (CIFAR10, "cifar10", True, [1, 2, 3, 1, 2, 1]),
+        (CIFAR100, "cifar100", False, [4, 3]),
+        (CIFAR100, "cifar100", True, [4, 3]),
+    ],
+)
 def test_cifar_from_its_folder(tmp_data_dir, monkeypatch, cls, name, train, sizes):
     written = write_cifar(tmp_data_dir, cls, sizes, 0, monkeypatch)
-    files = [f for f, _ in (cls.train_list if train else cls.test_list)]  # training batches in order
+    # training batches in order
+    files = [f for f, _ in (cls.train_list if train else cls.test_list)]
     x, y = load_id(name, train=train)
     assert x.dtype == torch.float32 and y.dtype == torch.int64
     assert y.tolist() == sum((written[f][1] for f in files), [])  # CIFAR-100: the fine labels
-    np.testing.assert_allclose(x.numpy(), cifar_by_hand(np.concatenate([written[f][0] for f in files])), atol=1e-5)
+    np.testing.assert_allclose(
+        x.numpy(), cifar_by_hand(np.concatenate([written[f][0] for f in files])), atol=1e-5
+    )
 
 
 def test_a_corrupt_cifar_batch_names_the_folder_and_the_archive(tmp_data_dir, monkeypatch):
     write_cifar(tmp_data_dir, CIFAR10, [1] * 6, 1, monkeypatch)
     with open(tmp_data_dir / CIFAR10.base_folder / "test_batch", "ab") as f:
         f.write(b"garbage")
-    with pytest.raises(DataNotFoundError, match=f"{tmp_data_dir / CIFAR10.base_folder} is incomplete or corrupt "
-                                                f".*Delete it and cifar-10-python.tar.gz to download "
-                                                f"{CIFAR10.url} \\(MD5 c58f30108f718f92721af3b95e74349a\\)"):
+    with pytest.raises(
+        DataNotFoundError,
+        match=f"{tmp_data_dir / CIFAR10.base_folder} is incomplete or corrupt "
+        f".*Delete it and cifar-10-python.tar.gz to download "
+        f"{CIFAR10.url} \\(MD5 c58f30108f718f92721af3b95e74349a\\)",
+    ):
         load_id("cifar10", train=False)
 
 
-@pytest.mark.parametrize("read_only", [False, True], ids=["extracted-in-place", "read-only-data-folder"])
-def test_a_cifar_archive_is_checked_and_extracted_into_the_cache(tmp_data_dir, tmp_path, monkeypatch, read_only):
+@pytest.mark.parametrize(
+    "read_only", [False, True], ids=["extracted-in-place", "read-only-data-folder"]
+)
+def test_a_cifar_archive_is_checked_and_extracted_into_the_cache(
+    tmp_data_dir, tmp_path, monkeypatch, read_only
+):
     written = write_cifar(tmp_path / "staging", CIFAR10, [1, 1, 1, 1, 1, 3], 2, monkeypatch)
     tmp_data_dir.mkdir()
     with tarfile.open(tmp_data_dir / CIFAR10.filename, "w:gz") as tar:
@@ -331,99 +440,167 @@ def test_a_cifar_archive_is_checked_and_extracted_into_the_cache(tmp_data_dir, t
     assert load_id("cifar10", train=False)[1].tolist() == written["test_batch"][1]
     assert (into / CIFAR10.base_folder / "data_batch_5").is_file()
     assert (tmp_data_dir / CIFAR10.base_folder).exists() != read_only
-    assert load_id("cifar10", train=False)[1].tolist() == written["test_batch"][1]  # found there next time
+    # found there next time
+    assert load_id("cifar10", train=False)[1].tolist() == written["test_batch"][1]
 
 
 def test_cifar_archive_errors(tmp_data_dir):
-    with pytest.raises(DataNotFoundError, match=(
-            f"CIFAR100 was not found: looked for cifar-100-python/ and cifar-100-python.tar.gz in {tmp_data_dir}; "
+    with pytest.raises(
+        DataNotFoundError,
+        match=(
+            "CIFAR100 was not found: looked for cifar-100-python/ and "
+            f"cifar-100-python.tar.gz in {tmp_data_dir}; "
             rf"fetching {CIFAR100.url} failed \(OSError: no network in tests\). Put "
-            rf"cifar-100-python.tar.gz \(MD5 eb9058c3a382ffc7106e4002c42a8d85\) in {tmp_data_dir}")):
+            rf"cifar-100-python.tar.gz \(MD5 eb9058c3a382ffc7106e4002c42a8d85\) in {tmp_data_dir}"
+        ),
+    ):
         load_id("cifar100", train=False)
     (tmp_data_dir / "cifar-10-python.tar.gz").write_bytes(b"not an archive")
-    with pytest.raises(DataNotFoundError, match=f"{tmp_data_dir / 'cifar-10-python.tar.gz'} is corrupt \\(MD5 "
-                                                f"not c58f30108f718f92721af3b95e74349a\\); delete it and "
-                                                f"download {CIFAR10.url} again"):
+    with pytest.raises(
+        DataNotFoundError,
+        match=f"{tmp_data_dir / 'cifar-10-python.tar.gz'} is corrupt \\(MD5 "
+        f"not c58f30108f718f92721af3b95e74349a\\); delete it and "
+        f"download {CIFAR10.url} again",
+    ):
         load_id("cifar10", train=True)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: load_id("cifar1000", train=True), r"'cifar1000' is no CIFAR data set \(cifar10, cifar100; load_id also "
-                                               r"takes fashion_mnist\)"),
-    (lambda: data.load_cifar("svhn", train=True), r"'svhn' is no CIFAR data set \(cifar10, cifar100;"),
-    (lambda: load_ood("svhn"), "unknown OOD set 'svhn' for fashion_mnist; choose from digits, photo_crops, gaussian, "
-                               "uniform, mnist"),
-    (lambda: load_ood("digits", id_dataset="cifar10"), "unknown OOD set 'digits' for cifar10; choose from Imagenet, "
-                                                       "Imagenet_resize, LSUN, LSUN_resize, iSUN, gaussian, uniform"),
-    (lambda: load_ood("gaussian", id_dataset="svhn"), r"choose from none \(unknown ID set\)"),
-    (lambda: load_ood("uniform", n=0), "at least one sample, got n=0"),
-    (lambda: odin_noise("salt", 3, (1, 2, 2)), "gaussian or uniform with n >= 1 samples, got 'salt', n=3"),
-    (lambda: odin_noise("uniform", 0, (1, 2, 2)), "got 'uniform', n=0"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (
+            lambda: load_id("cifar1000", train=True),
+            r"'cifar1000' is no CIFAR data set \(cifar10, cifar100; load_id also "
+            r"takes fashion_mnist\)",
+        ),
+        (
+            lambda: data.load_cifar("svhn", train=True),
+            r"'svhn' is no CIFAR data set \(cifar10, cifar100;",
+        ),
+        (
+            lambda: load_ood("svhn"),
+            "unknown OOD set 'svhn' for fashion_mnist; choose from digits, photo_crops, gaussian, "
+            "uniform, mnist",
+        ),
+        (
+            lambda: load_ood("digits", id_dataset="cifar10"),
+            "unknown OOD set 'digits' for cifar10; choose from Imagenet, "
+            "Imagenet_resize, LSUN, LSUN_resize, iSUN, gaussian, uniform",
+        ),
+        (lambda: load_ood("gaussian", id_dataset="svhn"), r"choose from none \(unknown ID set\)"),
+        (lambda: load_ood("uniform", n=0), "at least one sample, got n=0"),
+        (
+            lambda: odin_noise("salt", 3, (1, 2, 2)),
+            "gaussian or uniform with n >= 1 samples, got 'salt', n=3",
+        ),
+        (lambda: odin_noise("uniform", 0, (1, 2, 2)), "got 'uniform', n=0"),
+    ],
+)
 def test_bad_names_and_sizes(call, match):
     with pytest.raises(ValueError, match=match):
         call()
 
 
-# ---- ODIN's folders ------------------------------------------------------------------------------------
+# ---- ODIN's folders ------------------------------------------------------------------------------
+
 
 def image(path, arr):
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(arr.astype(np.uint8)).save(path)  # PNG: lossless, so the pixels read back exactly
+    # PNG: lossless, so the pixels read back exactly
+    Image.fromarray(arr.astype(np.uint8)).save(path)
 
 
-def test_an_odin_archive_is_md5_checked_extracted_and_read_in_imagefolder_order(tmp_data_dir, tmp_path, monkeypatch):
+def test_an_odin_archive_is_md5_checked_extracted_and_read_in_imagefolder_order(
+    tmp_data_dir, tmp_path, monkeypatch
+):
     rng, staging = np.random.RandomState(5), tmp_path / "staging" / "Imagenet"
     sq = {k: rng.randint(0, 256, (32, 32, 3)) for k in ("b/0", "a/9", "a/10")}
     wide, gray = rng.randint(0, 256, (32, 48, 3)), rng.randint(0, 256, (32, 32))
     for k, arr in sq.items():
         image(staging / f"{k}.png", arr)
-    image(staging / "a" / "5.png", wide)  # 48 x 32: Resize(32) keeps it, CenterCrop(32) takes columns 8..39
+    # 48 x 32: Resize(32) keeps it, CenterCrop(32) takes columns 8..39
+    image(staging / "a" / "5.png", wide)
     image(staging / "c" / "0.png", gray)  # grayscale: read as RGB, three equal channels
-    image(staging / "c" / "1.png", np.full((96, 64, 3), (10, 200, 30)))  # constant: any resize keeps its colour
+    # constant: any resize keeps its colour
+    image(staging / "c" / "1.png", np.full((96, 64, 3), (10, 200, 30)))
     tmp_data_dir.mkdir()
     with tarfile.open(tmp_data_dir / "Imagenet.tar.gz", "w:gz") as tar:
         tar.add(staging, arcname="Imagenet")
     url = data.ODIN_ARCHIVES["Imagenet"][1]
-    monkeypatch.setitem(data.ODIN_ARCHIVES, "Imagenet", (md5(tmp_data_dir / "Imagenet.tar.gz"), url, "TINc"))
+    monkeypatch.setitem(
+        data.ODIN_ARCHIVES, "Imagenet", (md5(tmp_data_dir / "Imagenet.tar.gz"), url, "TINc")
+    )
     x = load_ood("Imagenet", id_dataset="cifar10")
-    # ImageFolder: sub-folders sorted, then file names sorted as strings ("10" before "5" before "9")
-    want = [sq["a/10"], wide[:, 8:40], sq["a/9"], sq["b/0"], np.repeat(gray[..., None], 3, 2),
-            np.broadcast_to(np.array([10, 200, 30]), (32, 32, 3))]
+    # ImageFolder: sub-folders sorted, then file names sorted as strings ("10" before "5" before
+    # "9")
+    want = [
+        sq["a/10"],
+        wide[:, 8:40],
+        sq["a/9"],
+        sq["b/0"],
+        np.repeat(gray[..., None], 3, 2),
+        np.broadcast_to(np.array([10, 200, 30]), (32, 32, 3)),
+    ]
     raw = np.stack(want).transpose(0, 3, 1, 2).reshape(len(want), -1)
     np.testing.assert_allclose(x.numpy(), cifar_by_hand(raw), atol=1e-5)
-    assert (tmp_data_dir / "Imagenet" / "c" / "1.png").is_file()  # extracted into the cache (the data folder here)
+    # extracted into the cache (the data folder here)
+    assert (tmp_data_dir / "Imagenet" / "c" / "1.png").is_file()
 
 
-def test_an_archive_fetched_half_way_leaves_nothing_in_place_and_a_whole_one_is_renamed_in(tmp_data_dir, monkeypatch):
+def test_an_archive_fetched_half_way_leaves_nothing_in_place_and_a_whole_one_is_renamed_in(
+    tmp_data_dir, monkeypatch
+):
     import torchvision.datasets.utils as tv_utils
 
     def fetch(url, download_root, extract_root, filename, md5, fail):
-        image(Path(extract_root) / "iSUN" / "x" / "0.png", np.full((32, 32, 3), 7))  # extraction under way
+        # extraction under way
+        image(Path(extract_root) / "iSUN" / "x" / "0.png", np.full((32, 32, 3), 7))
         if fail:
             raise OSError("the connection dropped")
-    monkeypatch.setattr(tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=True))
-    with pytest.raises(DataNotFoundError, match=r"fetching .* failed \(OSError: the connection dropped\)"):
+
+    monkeypatch.setattr(
+        tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=True)
+    )
+    with pytest.raises(
+        DataNotFoundError, match=r"fetching .* failed \(OSError: the connection dropped\)"
+    ):
         load_ood("iSUN", id_dataset="cifar10")
-    assert not (tmp_data_dir / "iSUN").exists() and not list(tmp_data_dir.glob(".partial-*"))  # no half folder
-    monkeypatch.setattr(tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=False))
+    # no half folder
+    assert not (tmp_data_dir / "iSUN").exists() and not list(tmp_data_dir.glob(".partial-*"))
+    monkeypatch.setattr(
+        tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=False)
+    )
     assert load_ood("iSUN", id_dataset="cifar10").shape == (1, 3, 32, 32)
-    assert (tmp_data_dir / "iSUN" / "x" / "0.png").is_file() and not list(tmp_data_dir.glob(".partial-*"))
+    assert (tmp_data_dir / "iSUN" / "x" / "0.png").is_file() and not list(
+        tmp_data_dir.glob(".partial-*")
+    )
 
 
 def test_odin_folder_errors(tmp_data_dir):
     md5_isun, url_isun, _ = data.ODIN_ARCHIVES["iSUN"]
-    with pytest.raises(DataNotFoundError, match=(
-            f"ODIN's iSUN set was not found: looked for iSUN/ and iSUN.tar.gz in {tmp_data_dir}; fetching "
-            rf"{url_isun} failed \(OSError: no network in tests\). Put iSUN.tar.gz \(MD5 {md5_isun}\)")):
+    with pytest.raises(
+        DataNotFoundError,
+        match=(
+            "ODIN's iSUN set was not found: looked for iSUN/ and iSUN.tar.gz in "
+            f"{tmp_data_dir}; fetching "
+            rf"{url_isun} failed \(OSError: no network in tests\). Put iSUN.tar.gz \(MD5 "
+            rf"{md5_isun}\)"
+        ),
+    ):
         load_ood("iSUN", id_dataset="cifar100")
     (tmp_data_dir / "LSUN_resize.tar.gz").write_bytes(b"cut short")
-    with pytest.raises(DataNotFoundError, match=f"LSUN_resize.tar.gz is corrupt .*278b7b31c8cb7e804a1465a8ce03a2dc.*"
-                                                f"{data.ODIN_ARCHIVES['LSUN_resize'][1]}"):
+    with pytest.raises(
+        DataNotFoundError,
+        match=f"LSUN_resize.tar.gz is corrupt .*278b7b31c8cb7e804a1465a8ce03a2dc.*"
+        f"{data.ODIN_ARCHIVES['LSUN_resize'][1]}",
+    ):
         load_ood("LSUN_resize", id_dataset="cifar10")
-    (tmp_data_dir / "LSUN" / "empty").mkdir(parents=True)  # a folder without images: no checksum, none read
-    with pytest.raises(DataNotFoundError, match=f"no images in the sub-folders of {tmp_data_dir / 'LSUN'} .*extract "
-                                                "LSUN.tar.gz"):
+    # a folder without images: no checksum, none read
+    (tmp_data_dir / "LSUN" / "empty").mkdir(parents=True)
+    with pytest.raises(
+        DataNotFoundError,
+        match=f"no images in the sub-folders of {tmp_data_dir / 'LSUN'} .*extract LSUN.tar.gz",
+    ):
         load_ood("LSUN", id_dataset="cifar10")
 
 
@@ -438,13 +615,15 @@ def test_data_present_looks_for_folders_or_archives(tmp_data_dir, monkeypatch, t
     assert data_present("cifar10")
     (tmp_path / "fallback").mkdir()
     (tmp_path / "fallback" / "cifar-100-python.tar.gz").write_bytes(b"")
-    real = data.writable  # the fallback is one of the roots only when the data folder cannot be written
+    # the fallback is one of the roots only when the data folder cannot be written
+    real = data.writable
     assert not data_present("cifar100")
     monkeypatch.setattr(data, "writable", lambda f: Path(f) != tmp_data_dir and real(f))
     assert data_present("cifar100", ("iSUN",))
 
 
-# ---- noise, the offline sets, pixel_std ---------------------------------------------------------------
+# ---- noise, the offline sets, pixel_std ----------------------------------------------------------
+
 
 @pytest.mark.parametrize("shape", [(1, 8, 8), (3, 4, 4)])
 def test_odin_noise_definitions(shape):
@@ -460,21 +639,28 @@ def test_odin_noise_definitions(shape):
     assert not torch.equal(odin_noise("uniform", 3, shape, 7), odin_noise("uniform", 3, shape, 8))
 
 
-@pytest.mark.parametrize("id_dataset, mean", [("fashion_mnist", FM_MEAN), ("cifar10", CIFAR_MEAN),
-                                              ("cifar100", CIFAR_MEAN)])
+@pytest.mark.parametrize(
+    "id_dataset, mean",
+    [("fashion_mnist", FM_MEAN), ("cifar10", CIFAR_MEAN), ("cifar100", CIFAR_MEAN)],
+)
 @pytest.mark.parametrize("name", ["gaussian", "uniform"])
 def test_noise_sets_are_normalised_with_pixel_std(id_dataset, mean, name):
     shape = (1, 28, 28) if id_dataset == "fashion_mnist" else (3, 32, 32)
     std = pixel_std(id_dataset)
-    assert np.allclose(std, FM_STD if id_dataset == "fashion_mnist" else CIFAR_STD, rtol=0, atol=1e-12)
+    assert np.allclose(
+        std, FM_STD if id_dataset == "fashion_mnist" else CIFAR_STD, rtol=0, atol=1e-12
+    )
     x = load_ood(name, n=6, seed=2, id_dataset=id_dataset).double()
     view = (-1, 1, 1) if id_dataset != "fashion_mnist" else (1,)
-    raw = x * torch.tensor(std, dtype=torch.float64).view(view) + torch.tensor(mean, dtype=torch.float64).view(view)
+    raw = x * torch.tensor(std, dtype=torch.float64).view(view) + torch.tensor(
+        mean, dtype=torch.float64
+    ).view(view)
     torch.testing.assert_close(raw.float(), odin_noise(name, 6, shape, 2), atol=2e-6, rtol=0)
 
 
 def bilinear(n_in, n_out):
-    """(n_out, n_in) interpolation matrix, half-pixel centres (align_corners=False), edges clamped."""
+    """(n_out, n_in) interpolation matrix, half-pixel centres (align_corners=False), edges
+    clamped."""
     m = np.zeros((n_out, n_in))
     for o in range(n_out):
         src = min(max((o + 0.5) * n_in / n_out - 0.5, 0.0), n_in - 1)
@@ -501,7 +687,10 @@ def test_photo_crops_are_windows_of_the_two_sample_photos():
     x = load_ood("photo_crops", n=20, seed=4)
     assert x.shape == (20, 1, 28, 28) and torch.equal(x, load_ood("photo_crops", n=20, seed=4))
     crops = x[:, 0].double().numpy() * FM_STD + FM_MEAN
-    grays = [np.asarray(p, np.float64) @ [0.2989, 0.587, 0.114] / 255 for p in load_sample_images().images]
+    grays = [
+        np.asarray(p, np.float64) @ [0.2989, 0.587, 0.114] / 255
+        for p in load_sample_images().images
+    ]
     tol, used = 1.5 / 255, set()
     for c in crops:  # brute force: every 28x28 window, screened on five pixels, then compared whole
         hits = []
@@ -509,8 +698,12 @@ def test_photo_crops_are_windows_of_the_two_sample_photos():
             h, w = g.shape[0] - 27, g.shape[1] - 27
             ok = np.ones((h, w), bool)
             for i, j in ((0, 0), (27, 27), (0, 27), (27, 0), (13, 14)):
-                ok &= np.abs(g[i:i + h, j:j + w] - c[i, j]) <= tol
-            hits += [k for t, l in zip(*np.nonzero(ok)) if np.abs(g[t:t + 28, l:l + 28] - c).max() <= tol]
+                ok &= np.abs(g[i : i + h, j : j + w] - c[i, j]) <= tol
+            hits += [
+                k
+                for t, l in zip(*np.nonzero(ok))
+                if np.abs(g[t : t + 28, l : l + 28] - c).max() <= tol
+            ]
         assert hits, "a crop is no window of either photo"
         used.update(hits)
     assert used == {0, 1}
@@ -526,11 +719,16 @@ def test_offline_sets_shape_range_and_seed(name):
     assert torch.equal(x, load_ood(name, n=40, seed=2)) == (name == "digits")
 
 
-# ---- infinite_loader ------------------------------------------------------------------------------------
+# ---- infinite_loader -----------------------------------------------------------------------------
+
 
 def test_infinite_loader_reshuffles_each_pass_and_never_stops():
-    loader = DataLoader(TensorDataset(torch.arange(6)), batch_size=6, shuffle=True,
-                        generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(
+        TensorDataset(torch.arange(6)),
+        batch_size=6,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
     passes = [b[0].tolist() for b in itertools.islice(infinite_loader(loader), 6)]
     assert all(sorted(p) == list(range(6)) for p in passes) and len({tuple(p) for p in passes}) > 1
     short = DataLoader(TensorDataset(torch.arange(3)), batch_size=1)
@@ -540,6 +738,9 @@ def test_infinite_loader_reshuffles_each_pass_and_never_stops():
 
 def test_infinite_loader_refuses_an_empty_loader():
     empty = DataLoader(TensorDataset(torch.arange(3)), batch_size=5, drop_last=True)
-    with pytest.raises(ValueError, match=r"yields no batch \(empty data set, or drop_last=True and < batch_size "
-                                         r"samples\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"yields no batch \(empty data set, or drop_last=True and < batch_size "
+        r"samples\)",
+    ):
         next(infinite_loader(empty))

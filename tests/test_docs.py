@@ -1,4 +1,5 @@
 """The README is a front page and every page it links to exists: no broken link or image."""
+
 import re
 from pathlib import Path
 
@@ -9,9 +10,20 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 def test_readme_is_a_front_page():
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move reference material into docs/"
+    assert len(lines) <= 150, (
+        f"README.md has {len(lines)} lines; move reference material into docs/"
+    )
     text = "\n".join(lines)
-    for term in ("Step A", "transductive split", "discrepancy score", "AUROC", "FPR95", "MSP", "ODIN", "OpenOOD"):
+    for term in (
+        "Step A",
+        "transductive split",
+        "discrepancy score",
+        "AUROC",
+        "FPR95",
+        "MSP",
+        "ODIN",
+        "OpenOOD",
+    ):
         first_use = text.index(term)
         assert text.index(f"**{term}**") + 2 == first_use, f"{term!r} is used before it is defined"
 
@@ -31,6 +43,7 @@ def test_every_relative_link_and_image_exists():
 def test_licence_and_citation_are_there():
     assert "MIT License" in (ROOT / "LICENSE").read_text()
     import yaml  # CITATION.cff is YAML (Citation File Format 1.2.0)
+
     cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
     assert cff["cff-version"] == "1.2.0"
     assert cff["preferred-citation"]["year"] == 2019

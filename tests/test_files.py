@@ -1,4 +1,6 @@
-"""mcd_helpers.files: writes are whole or absent, a full disk is named, loading runs no code, the umask holds."""
+"""mcd_helpers.files: writes are whole or absent, a full disk is named, loading runs no code, the
+umask holds."""
+
 import errno
 import json
 import os
@@ -6,15 +8,17 @@ import os
 import pytest
 import torch
 
-import mcd_helpers.files as files
-from mcd_helpers.files import atomic_write, load_state, save_state, write_json
+import mcd_helpers.experiments.files as files
+from mcd_helpers.experiments.files import atomic_write, load_state, save_state, write_json
 
 
 def leftovers(folder):
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
 
 
-@pytest.mark.parametrize("payload, want", [("AUROC ± 1 % é\n", "AUROC ± 1 % é\n".encode()), (b"\x00\xff", b"\x00\xff")])
+@pytest.mark.parametrize(
+    "payload, want", [("AUROC ± 1 % é\n", "AUROC ± 1 % é\n".encode()), (b"\x00\xff", b"\x00\xff")]
+)
 def test_atomic_write_writes_str_as_utf8_and_bytes_as_they_are(tmp_path, payload, want):
     path = tmp_path / "new" / "sub" / "f"  # folders made as needed
     atomic_write(path, "old")
@@ -25,6 +29,7 @@ def test_atomic_write_writes_str_as_utf8_and_bytes_as_they_are(tmp_path, payload
 def fail_fsync_with(code):
     def fsync(fd):
         raise OSError(code, os.strerror(code))
+
     return fsync
 
 
@@ -33,9 +38,11 @@ def test_a_full_disk_names_the_file_and_keeps_the_old_one(tmp_path, monkeypatch,
     path = tmp_path / "c.pt"
     atomic_write(path, b"previous")
     monkeypatch.setattr(files.os, "fsync", fail_fsync_with(code))
-    with pytest.raises(OSError, match=rf"no space left on the device while writing {path} \(2.0 MB\); the previous "
-                                      r"file is intact. Free some space or choose another folder \(--out, MCD_CACHE_DIR\)"
-                       ) as err:
+    with pytest.raises(
+        OSError,
+        match=rf"no space left on the device while writing {path} \(2.0 MB\); the previous "
+        r"file is intact. Free some space or choose another folder \(--out, MCD_CACHE_DIR\)",
+    ) as err:
         atomic_write(path, b"x" * 2_000_000)
     assert err.value.errno == code
     assert path.read_bytes() == b"previous" and leftovers(tmp_path) == []
@@ -52,7 +59,7 @@ def test_a_disk_full_in_the_middle_of_the_write(tmp_path, monkeypatch):
             self.f = f
 
         def write(self, data):
-            self.f.write(data[:len(data) // 2])
+            self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device")
 
         def __getattr__(self, name):
@@ -78,6 +85,7 @@ def test_other_failures_propagate_unchanged_and_leave_the_old_file(tmp_path, mon
 
     def fsync(fd):
         raise error
+
     monkeypatch.setattr(files.os, "fsync", fsync)
     with pytest.raises(type(error)) as err:
         atomic_write(path, "new")
@@ -92,17 +100,35 @@ def test_write_json_indents_and_refuses_nan_and_inf_keeping_the_old_file(tmp_pat
     for bad in (float("nan"), float("inf"), -float("inf")):
         with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
             write_json(path, [{"auroc": bad}])
-    assert json.loads(path.read_text()) == [{"auroc": 0.5, "method": "mcd"}] and leftovers(tmp_path) == []
+    assert (
+        json.loads(path.read_text()) == [{"auroc": 0.5, "method": "mcd"}]
+        and leftovers(tmp_path) == []
+    )
 
 
 def test_save_and_load_state_round_trip(tmp_path):
-    state = {"model": {"w": torch.arange(6.0).view(2, 3), "n": torch.tensor(3)}, "step": 7, "lr": 0.01,
-             "history": [0.5, 0.25], "name": "pretrain", "rng": (torch.ByteTensor([1, 2]), None), "done": True}
+    state = {
+        "model": {"w": torch.arange(6.0).view(2, 3), "n": torch.tensor(3)},
+        "step": 7,
+        "lr": 0.01,
+        "history": [0.5, 0.25],
+        "name": "pretrain",
+        "rng": (torch.ByteTensor([1, 2]), None),
+        "done": True,
+    }
     save_state(tmp_path / "s.pt", state)
     got = load_state(tmp_path / "s.pt")
-    assert got.keys() == state.keys() and (got["step"], got["lr"], got["history"], got["name"], got["done"]) == \
-        (7, 0.01, [0.5, 0.25], "pretrain", True)
-    assert torch.equal(got["model"]["w"], state["model"]["w"]) and got["model"]["w"].device.type == "cpu"
+    assert got.keys() == state.keys() and (
+        got["step"],
+        got["lr"],
+        got["history"],
+        got["name"],
+        got["done"],
+    ) == (7, 0.01, [0.5, 0.25], "pretrain", True)
+    assert (
+        torch.equal(got["model"]["w"], state["model"]["w"])
+        and got["model"]["w"].device.type == "cpu"
+    )
     assert torch.equal(got["rng"][0], torch.ByteTensor([1, 2])) and got["rng"][1] is None
 
 
@@ -119,24 +145,33 @@ class Planted:
 def test_a_planted_file_is_refused_and_runs_nothing(tmp_path):
     marker = tmp_path / "code-ran"
     torch.save({"model": Planted(marker)}, tmp_path / "pretrain.pt")
-    with pytest.raises(RuntimeError, match=rf"{tmp_path / 'pretrain.pt'} cannot be read as a checkpoint \(UnpicklingError"
-                                           r".*loading other objects could run code\). Delete it"):
+    with pytest.raises(
+        RuntimeError,
+        match=rf"{tmp_path / 'pretrain.pt'} cannot be read as a checkpoint \(UnpicklingError"
+        r".*loading other objects could run code\). Delete it",
+    ):
         load_state(tmp_path / "pretrain.pt")
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("damage", [lambda b: b[:len(b) // 3], lambda b: b"not a checkpoint"], ids=["cut", "junk"])
+@pytest.mark.parametrize(
+    "damage", [lambda b: b[: len(b) // 3], lambda b: b"not a checkpoint"], ids=["cut", "junk"]
+)
 def test_a_damaged_state_file_is_named(tmp_path, damage):
     path = tmp_path / "s.pt"
     save_state(path, {"w": torch.zeros(100)})
     path.write_bytes(damage(path.read_bytes()))
-    with pytest.raises(RuntimeError, match=f"{path} cannot be read as a checkpoint .*cut short.*"
-                                           "Delete it to recompute"):
+    with pytest.raises(
+        RuntimeError,
+        match=f"{path} cannot be read as a checkpoint .*cut short.*Delete it to recompute",
+    ):
         load_state(path)
 
 
 def test_a_missing_state_file_is_named(tmp_path):
-    with pytest.raises(RuntimeError, match=r"missing.pt cannot be read as a checkpoint \(FileNotFoundError"):
+    with pytest.raises(
+        RuntimeError, match=r"missing.pt cannot be read as a checkpoint \(FileNotFoundError"
+    ):
         load_state(tmp_path / "missing.pt")
 
 
@@ -150,4 +185,8 @@ def test_new_files_follow_the_umask(tmp_path, umask):
     finally:
         os.umask(old)
     want = 0o666 & ~umask  # what open() creates
-    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {"a.txt": want, "r.json": want, "c.pt": want}
+    assert {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()} == {
+        "a.txt": want,
+        "r.json": want,
+        "c.pt": want,
+    }

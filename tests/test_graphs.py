@@ -1,4 +1,6 @@
-"""mcd_helpers.graphs: node counts on hand-built graphs, where separate forwards meet, draw_graph with and without `dot`."""
+"""mcd_helpers.graphs: node counts on hand-built graphs, where separate forwards meet, draw_graph
+with and without `dot`."""
+
 import builtins
 import re
 import shutil
@@ -6,21 +8,37 @@ import shutil
 import graphviz
 import pytest
 import torch
-
-from mcd_helpers import graphs
-from mcd_helpers.forwards import step_b_loss
-from mcd_helpers.graphs import (GraphTooLargeError, GraphvizMissingWarning, draw_graph, graph_nodes, graph_stats,
-                                param_consumers)
-from mcd_helpers.models import densenet_bc_100
 from tiny_models import TinyTwoHead
 
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None, reason="Graphviz's dot is not installed")
+from mcd_helpers import graphs
+from mcd_helpers.graphs import (
+    GraphTooLargeError,
+    GraphvizMissingWarning,
+    draw_graph,
+    graph_nodes,
+    graph_stats,
+    param_consumers,
+)
+from mcd_helpers.models import densenet_bc_100
+from mcd_helpers.strategies import step_b_loss
+
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None, reason="Graphviz's dot is not installed"
+)
 
 
 def step_b_losses():
     model = TinyTwoHead("none")
-    x_sup, y_sup, x_unsup = torch.randn(3, 1, 4, 4), torch.tensor([0, 1, 2]), torch.randn(2, 1, 4, 4)
-    return model, step_b_loss(model, x_sup, y_sup, x_unsup, "separate")[0], step_b_loss(model, x_sup, y_sup, x_unsup, "concat")[0]
+    x_sup, y_sup, x_unsup = (
+        torch.randn(3, 1, 4, 4),
+        torch.tensor([0, 1, 2]),
+        torch.randn(2, 1, 4, 4),
+    )
+    return (
+        model,
+        step_b_loss(model, x_sup, y_sup, x_unsup, "separate")[0],
+        step_b_loss(model, x_sup, y_sup, x_unsup, "concat")[0],
+    )
 
 
 def drawn_nodes(out):
@@ -31,21 +49,48 @@ def drawn_nodes(out):
 def test_graph_nodes_walks_a_hand_built_graph_breadth_first_once_per_node():
     a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
     y = a * b
-    loss = y.sum() + y.mean()  # Add <- (Sum, Mean) <- Mul (reached twice, listed once) <- two AccumulateGrad
-    assert [type(fn).__name__ for fn in graph_nodes(loss)] == ["AddBackward0", "SumBackward0", "MeanBackward0",
-                                                               "MulBackward0", "AccumulateGrad", "AccumulateGrad"]
-    assert graph_stats(loss) == {"nodes": 6, "leaves": 2, "by_type": {"AccumulateGrad": 2, "AddBackward0": 1,
-                                                                      "SumBackward0": 1, "MeanBackward0": 1, "MulBackward0": 1}}
+    # Add <- (Sum, Mean) <- Mul (reached twice, listed once) <- two AccumulateGrad
+    loss = y.sum() + y.mean()
+    assert [type(fn).__name__ for fn in graph_nodes(loss)] == [
+        "AddBackward0",
+        "SumBackward0",
+        "MeanBackward0",
+        "MulBackward0",
+        "AccumulateGrad",
+        "AccumulateGrad",
+    ]
+    assert graph_stats(loss) == {
+        "nodes": 6,
+        "leaves": 2,
+        "by_type": {
+            "AccumulateGrad": 2,
+            "AddBackward0": 1,
+            "SumBackward0": 1,
+            "MeanBackward0": 1,
+            "MulBackward0": 1,
+        },
+    }
     # two losses sharing the Mul: the union, every node once
     assert len(graph_nodes((y.sum(), y.mean()))) == 5
 
 
-@pytest.mark.parametrize("loss, error, match", [
-    (1.0, TypeError, "loss must be a tensor or a non-empty tuple of tensors"),
-    ((), TypeError, "loss must be a tensor or a non-empty tuple of tensors"),
-    (torch.tensor(1.0), ValueError, r"no autograd graph \(grad_fn is None\).*torch.no_grad\(\).*detached"),
-    ((torch.ones(1, requires_grad=True) * 2, torch.tensor(1.0)), ValueError, "no autograd graph"),
-])
+@pytest.mark.parametrize(
+    "loss, error, match",
+    [
+        (1.0, TypeError, "loss must be a tensor or a non-empty tuple of tensors"),
+        ((), TypeError, "loss must be a tensor or a non-empty tuple of tensors"),
+        (
+            torch.tensor(1.0),
+            ValueError,
+            r"no autograd graph \(grad_fn is None\).*torch.no_grad\(\).*detached",
+        ),
+        (
+            (torch.ones(1, requires_grad=True) * 2, torch.tensor(1.0)),
+            ValueError,
+            "no autograd graph",
+        ),
+    ],
+)
 def test_graph_nodes_refuses_what_has_no_graph(loss, error, match):
     for fn in (graph_nodes, graph_stats, draw_graph):
         with pytest.raises(error, match=match):
@@ -67,7 +112,8 @@ def test_draw_graph_names_every_parameter_and_renders_svg():
     dot = draw_graph(sep, model)
     assert isinstance(dot, graphviz.Digraph)
     stats = graph_stats(sep)
-    # torchviz: a box per backward node, one per parameter beside its AccumulateGrad, one for the output
+    # torchviz: a box per backward node, one per parameter beside its AccumulateGrad, one for the
+    # output
     assert len(drawn_nodes(dot)) == stats["nodes"] + stats["leaves"] + 1
     svg = dot.pipe(format="svg").decode()
     assert "<svg" in svg and all(name in svg for name, _ in model.named_parameters())
@@ -77,14 +123,20 @@ def test_draw_graph_names_every_parameter_and_renders_svg():
 def test_a_list_or_tuple_of_losses_is_drawn_jointly(container):
     model, sep, cat = step_b_losses()
     stats = graph_stats((sep, cat))  # the union: shared parameters once
-    assert len(drawn_nodes(draw_graph(container([sep, cat]), model))) == stats["nodes"] + stats["leaves"] + 2
+    assert (
+        len(drawn_nodes(draw_graph(container([sep, cat]), model)))
+        == stats["nodes"] + stats["leaves"] + 2
+    )
 
 
 def test_without_dot_the_source_is_returned_with_the_install_commands(monkeypatch):
     model, sep, _ = step_b_losses()
     monkeypatch.setattr(graphs.shutil, "which", lambda name, *a, **k: None)
-    with pytest.warns(GraphvizMissingWarning, match=r"`dot` program was not found on PATH.*apt-get install graphviz.*"
-                                                    r"conda install -c conda-forge graphviz.*brew install graphviz"):
+    with pytest.warns(
+        GraphvizMissingWarning,
+        match=r"`dot` program was not found on PATH.*apt-get install graphviz.*"
+        r"conda install -c conda-forge graphviz.*brew install graphviz",
+    ):
         out = draw_graph(sep, model)
     assert isinstance(out, str) and out.lstrip().startswith("digraph")
     assert "conv.weight" in out and out.count("AccumulateGrad") == 6  # 6 parameters, each leaf once
@@ -94,10 +146,13 @@ def test_without_dot_the_source_is_returned_with_the_install_commands(monkeypatc
 def test_a_graph_larger_than_max_nodes_is_declined_with_its_count():
     model, sep, _ = step_b_losses()
     n = graph_stats(sep)["nodes"]
-    with pytest.raises(GraphTooLargeError, match=f"has {n} nodes, more than max_nodes={n - 1}.*pass max_nodes=None"):
+    with pytest.raises(
+        GraphTooLargeError, match=f"has {n} nodes, more than max_nodes={n - 1}.*pass max_nodes=None"
+    ):
         draw_graph(sep, model, max_nodes=n - 1)
     assert issubclass(GraphTooLargeError, ValueError)
-    assert isinstance(draw_graph(sep, model, max_nodes=n), graphviz.Digraph)  # the limit itself is allowed
+    # the limit itself is allowed
+    assert isinstance(draw_graph(sep, model, max_nodes=n), graphviz.Digraph)
 
 
 def test_densenet_step_b_is_declined_by_default_and_drawn_on_request():
@@ -119,13 +174,18 @@ def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
         if name == "torchviz":
             raise ModuleNotFoundError(f"No module named '{missing}'", name=missing)
         return real_import(name, *args, **kwargs)
+
     monkeypatch.setattr(builtins, "__import__", fake)
-    with pytest.raises(ImportError, match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'"):
+    with pytest.raises(
+        ImportError,
+        match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'",
+    ):
         draw_graph(torch.ones(2, requires_grad=True).sum())
 
 
 def test_a_linear_weights_consumers_are_its_transposed_views_one_per_forward():
-    # notebook 03: under separate forwards the weight's AccumulateGrad is reached through two TBackward0 nodes
+    # notebook 03: under separate forwards the weight's AccumulateGrad is reached through two
+    # TBackward0 nodes
     lin = torch.nn.Linear(3, 2)
     loss = lin(torch.randn(4, 3)).sum() + lin(torch.randn(5, 3)).sum()
     found, stack, seen = [], [loss.grad_fn], set()
@@ -148,6 +208,9 @@ def test_two_gradient_contributions_sum_bit_for_bit():
     w = torch.randn(50, 50, generator=gen, requires_grad=True)
     x1, x2 = torch.randn(7, 50, generator=gen), torch.randn(9, 50, generator=gen)
     l1, l2 = (x1 @ w).tanh().sum(), (x2 @ w).sin().sum()
-    g1, g2 = torch.autograd.grad(l1, w, retain_graph=True)[0], torch.autograd.grad(l2, w, retain_graph=True)[0]
+    g1, g2 = (
+        torch.autograd.grad(l1, w, retain_graph=True)[0],
+        torch.autograd.grad(l2, w, retain_graph=True)[0],
+    )
     (l1 + l2).backward()
     assert torch.equal(w.grad, g1 + g2) and torch.equal(w.grad, g2 + g1)

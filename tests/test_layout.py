@@ -1,5 +1,8 @@
-"""The package's layout: no import cycle (imports inside functions counted too), a lazy face whose core
-modules load nothing else, and the import paths that code outside the repository calls."""
+"""The package's layout: the library at the top never imports the experiments subpackage, no import
+cycle (imports inside functions counted too), a lazy face whose core modules load nothing else, the
+import paths that code outside the repository calls, and the formatter's limits (no line over 100
+characters, no function over 60 lines, the statement budget)."""
+
 import ast
 import subprocess
 import sys
@@ -8,61 +11,101 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-MODULES = {p.stem: p for p in (ROOT / "mcd_helpers").glob("*.py")}
+PACKAGE = ROOT / "mcd_helpers"
+MODULES = {
+    str(p.relative_to(PACKAGE).with_suffix("")).replace("/", "."): p for p in PACKAGE.rglob("*.py")
+}
+STATEMENT_BUDGET = 2279  # the package's size when the line budget was retired (issue 41)
 
 
-def imports_of(path: Path) -> set[str]:
-    """The package's modules that ``path`` imports anywhere in its text (``from . import x`` counts ``x``)."""
+def imports_of(name: str) -> set[str]:
+    """The package's modules that module ``name`` imports anywhere in its text, as dotted names
+    relative to the package (``experiments.loop``); a package's ``__init__`` counts as the
+    package."""
+    here = name.split(".")[:-1]  # the package a relative import starts from
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mcd_helpers."):
-            found.add(node.module.split(".")[1])
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = here[: len(here) - node.level + 1]
+            parts = base + (node.module.split(".") if node.module else [])
+            names = [".".join(parts + [a.name]) for a in node.names] + [".".join(parts)]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("mcd_helpers"):
+            parts = node.module.split(".")[1:]
+            names = [".".join(parts + [a.name]) for a in node.names] + [".".join(parts)]
         elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("mcd_helpers.")}
-    return found & set(MODULES)
+            names = [
+                a.name.split(".", 1)[1] for a in node.names if a.name.startswith("mcd_helpers.")
+            ]
+        else:
+            continue
+        found |= {n for n in names if n in MODULES or f"{n}.__init__" in MODULES}
+    return found - {name}
 
 
 def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     """A list of modules that import each other round, or None (depth-first search)."""
+
     def visit(m, path):
-        for t in sorted(graph[m]):
+        for t in sorted(graph.get(m, ())):
             if t in path:
-                return path[path.index(t):] + [t]
-            found = visit(t, path + [t])
-            if found:
+                return path[path.index(t) :] + [t]
+            if found := visit(t, path + [t]):
                 return found
         return None
+
     return next((c for m in sorted(graph) if (c := visit(m, [m]))), None)
 
 
-def test_the_cycle_finder_finds_a_cycle_and_passes_a_tree():
+def test_the_import_reader_and_the_cycle_finder_find_what_is_there():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+    assert {"experiments.ddp", "strategies", "data"} <= imports_of("experiments.loop")
+    assert imports_of("experiments.__init__") == set() and "experiments.cli" in imports_of("__main__")
+
+
+def test_no_module_at_the_top_imports_the_experiments_subpackage():
+    # __main__ is the command line's door: it hands over to experiments.cli, and nothing imports it
+    top = [m for m in MODULES if "." not in m and m != "__main__"]
+    reaching = {
+        m: sorted(i for i in imports_of(m) if i.split(".")[0] == "experiments") for m in top
+    }
+    assert {m: found for m, found in reaching.items() if found} == {}
 
 
 def test_no_import_cycle():
-    graph = {m: imports_of(p) - {m} for m, p in MODULES.items()}
-    assert graph["train"] >= {"ddp", "forwards"}  # the reader sees what it should (a smoke check of the parser)
+    graph = {m: imports_of(m) for m in MODULES}
     assert cycle(graph) is None, cycle(graph)
 
 
 @pytest.mark.parametrize("module", ["metrics", "models", "losses"])
 def test_a_core_module_loads_nothing_else_of_the_package(module):
     # Run in a fresh interpreter: the test process has imported everything already.
-    code = (f"import sys, mcd_helpers.{module}; "
-            "print(sorted(m for m in sys.modules if m.startswith('mcd_helpers')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    code = (
+        f"import sys, mcd_helpers.{module}; "
+        "print(sorted(m for m in sys.modules if m.startswith('mcd_helpers')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
     loaded = set(eval(out))
-    assert loaded <= {"mcd_helpers", "mcd_helpers.metrics", "mcd_helpers.models", "mcd_helpers.losses"}, loaded
+    assert loaded <= {
+        "mcd_helpers",
+        "mcd_helpers.metrics",
+        "mcd_helpers.models",
+        "mcd_helpers.losses",
+    }
     assert f"mcd_helpers.{module}" in loaded
 
 
 def test_the_face_loads_a_module_on_first_touch_only():
-    code = ("import sys, mcd_helpers; before = 'mcd_helpers.compare' in sys.modules; f = mcd_helpers.compare_forwards; "
-            "print(before, 'mcd_helpers.compare' in sys.modules, f.__module__, 'mcd_helpers.train' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    code = (
+        "import sys, mcd_helpers; before = 'mcd_helpers.compare' in sys.modules; "
+        "f = mcd_helpers.compare_forwards; print(before, 'mcd_helpers.compare' in sys.modules, "
+        "f.__module__, any(m.startswith('mcd_helpers.experiments') for m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout
     assert out.split() == ["False", "True", "mcd_helpers.compare", "False"]
 
 
@@ -76,9 +119,43 @@ def test_the_import_paths_outside_code_calls():
     for name in ("TwoHeadNet", "small_cnn", "densenet_bc_100", "wrn_28_10"):
         assert getattr(mcd_helpers.models, name) is getattr(mcd_helpers, name)
     for name in ("entropy", "supervised_loss", "discrepancy_loss", "discrepancy_score"):
-        assert callable(getattr(mcd_helpers.losses, name)) and getattr(mcd_helpers, name) is getattr(mcd_helpers.losses, name)
+        assert getattr(mcd_helpers, name) is getattr(mcd_helpers.losses, name)
     assert mcd_helpers.ood_metrics is mcd_helpers.metrics.ood_metrics
     assert callable(mcd_helpers.data.infinite_loader)
-    assert {"compare_strategies", "compare_forwards", "draw_graph"} <= set(dir(mcd_helpers))
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+    assert {"compare_strategies", "compare_forwards", "draw_graph", "mcd_step"} <= set(
+        dir(mcd_helpers)
+    )
+    with pytest.raises(AttributeError, match="'nothing_here'"):
         mcd_helpers.nothing_here
+
+
+def _statements(tree: ast.Module) -> int:
+    """Statement nodes, docstrings left out: what a formatter cannot change."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+            if isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                docstrings.add(id(body[0]))
+    return sum(isinstance(n, ast.stmt) and id(n) not in docstrings for n in ast.walk(tree))
+
+
+def test_the_statement_counter_counts_statements_not_lines():
+    packed = ast.parse('def f(a):\n    """Doc."""\n    x = 1; y = 2\n    return x + y\n')
+    spread = ast.parse(
+        'def f(a):\n    """Doc."""\n    x = 1\n    y = 2\n\n    return (\n        x + y\n    )\n'
+    )
+    assert _statements(packed) == _statements(spread) == 4
+
+
+def test_the_package_stays_within_its_statement_budget_and_its_functions_fit_a_screen():
+    trees = {name: ast.parse(path.read_text()) for name, path in MODULES.items()}
+    total = sum(_statements(tree) for tree in trees.values())
+    assert total <= STATEMENT_BUDGET, f"{total} statements, the budget is {STATEMENT_BUDGET}"
+    long = [
+        f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines"
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
+    ]
+    assert long == []

@@ -1,7 +1,9 @@
-"""Notebook 04's live pieces (mcd_helpers/live.py): the live plot, rerun through the pipeline and its widget.
+"""Notebook 04's live pieces (mcd_helpers/experiments/live.py): the live plot, rerun through the
+pipeline and its widget.
 
 ``IPython.display.display`` is replaced by a recorder, so the tests see what a notebook would show.
 """
+
 import copy
 
 import matplotlib
@@ -12,14 +14,14 @@ import torch.nn.functional as F
 matplotlib.use("Agg")
 
 import IPython.display  # noqa: E402
+from pipeline_setup import TINY  # noqa: E402
 
-from mcd_helpers import live, pipeline  # noqa: E402
-from mcd_helpers.config import MCDConfig  # noqa: E402
 from mcd_helpers.data import DEBIAN_FMNIST_DIR  # noqa: E402
 from mcd_helpers.errors import ConfigError  # noqa: E402
-from mcd_helpers.forwards import STRATEGIES  # noqa: E402
-from mcd_helpers.train import History  # noqa: E402
-from test_pipeline import TINY  # noqa: E402
+from mcd_helpers.experiments import live, stages  # noqa: E402
+from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.experiments.loop import History  # noqa: E402
+from mcd_helpers.strategies import STRATEGIES  # noqa: E402
 
 
 @pytest.fixture
@@ -31,7 +33,9 @@ def shown(monkeypatch):
         def update(self, fig):
             updated.append(fig)
 
-    monkeypatch.setattr(IPython.display, "display", lambda fig, display_id=False: shown.append(fig) or Handle())
+    monkeypatch.setattr(
+        IPython.display, "display", lambda fig, display_id=False: shown.append(fig) or Handle()
+    )
     return shown, updated
 
 
@@ -41,19 +45,32 @@ def test_the_live_plot_displays_once_then_updates_the_same_output(shown):
     hist = History(ce=[1.0, 0.8], dis=[1.2, 0.9], gap=[0.0, 0.3], val_auroc=[0.9], best_epoch=0)
     for epoch in range(3):
         plot(epoch, hist)
-        hist = History(ce=hist.ce + [0.7, 0.6], dis=hist.dis + [0.3, 0.0], gap=hist.gap + [0.9, 1.3],
-                       val_auroc=hist.val_auroc + [0.97], best_epoch=1)
+        hist = History(
+            ce=hist.ce + [0.7, 0.6],
+            dis=hist.dis + [0.3, 0.0],
+            gap=hist.gap + [0.9, 1.3],
+            val_auroc=hist.val_auroc + [0.97],
+            best_epoch=1,
+        )
     assert (len(shown), len(updated), plot.updates) == (1, 2, 3)
     titles = [f._suptitle.get_text() for f in shown + updated]
-    assert titles == ["digits (epoch 1, kept so far 1)", "digits (epoch 2, kept so far 2)", "digits (epoch 3, kept so far 2)"]
-    assert list(updated[-1].axes[0].lines[0].get_ydata()) == [1.0, 0.8, 0.7, 0.6, 0.7, 0.6]  # the history it was given
+    assert titles == [
+        "digits (epoch 1, kept so far 1)",
+        "digits (epoch 2, kept so far 2)",
+        "digits (epoch 3, kept so far 2)",
+    ]
+    # the history it was given
+    assert list(updated[-1].axes[0].lines[0].get_ydata()) == [1.0, 0.8, 0.7, 0.6, 0.7, 0.6]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(margin=-0.1), r"margin must be a finite number >= 0"),
-    (dict(epochs=0), r"finetune_epochs must be a finite number >= 1"),
-    (dict(strategy="both"), r"strategies must be a non-empty subset of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(margin=-0.1), "got -0.1"),
+        (dict(epochs=0), "got 0"),
+        (dict(strategy="both"), "'both'"),
+    ],
+)
 def test_rerun_refuses_bad_settings_before_any_work(kwargs, match):
     args = {"ood": "gaussian", "strategy": "concat", "margin": 0.3, "epochs": 2, **kwargs}
     with pytest.raises(ConfigError, match=match):
@@ -62,28 +79,45 @@ def test_rerun_refuses_bad_settings_before_any_work(kwargs, match):
 
 @pytest.mark.skipif(not DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed")
 @pytest.mark.slow
-def test_rerun_goes_through_the_pipeline_and_an_identical_rerun_loads_from_the_cache(shown, tmp_data_dir, monkeypatch):
+def test_rerun_goes_through_the_pipeline_and_an_identical_rerun_loads_from_the_cache(
+    shown, tmp_data_dir, monkeypatch
+):
     shown, updated = shown
-    trained, cfgs, real = [], [], pipeline.train
-    monkeypatch.setattr(pipeline, "train", lambda *a, **k: trained.append(a[3]) or cfgs.append(a[2]) or real(*a, **k))
-    data = pipeline.load_data(TINY)
+    trained, cfgs, real = [], [], stages.train
+    monkeypatch.setattr(
+        stages,
+        "train",
+        lambda *a, **k: trained.append(a[3]) or cfgs.append(a[2]) or real(*a, **k),
+    )
+    data = stages.load_data(TINY)
     r = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=3)
     assert trained == [None, "concat"]
     assert (cfgs[1].margin, cfgs[1].finetune_epochs, cfgs[1].strategies) == (0.3, 3, ("concat",))
     assert {x["ood_dataset"] for x in r.rows} == {"gaussian"} and list(r.histories) == ["concat"]
-    assert [(x["method"], x["strategy"]) for x in r.rows] == [("msp", None), ("odin", None), ("energy", None),
-                                                            ("mcd", "concat")]
-    assert len(r.histories["concat"].val_auroc) == 3 and len(r.histories["concat"].ce) == 3 * TINY.steps_per_epoch
-    # the live plot (shown once, updated after epochs 2 and 3, its margin line at 0.3), the histograms, the ROC curves
+    assert [(x["method"], x["strategy"]) for x in r.rows] == [
+        ("msp", None),
+        ("odin", None),
+        ("energy", None),
+        ("mcd", "concat"),
+    ]
+    assert (
+        len(r.histories["concat"].val_auroc) == 3
+        and len(r.histories["concat"].ce) == 3 * TINY.steps_per_epoch
+    )
+    # the live plot (shown once, updated after epochs 2 and 3, its margin line at 0.3), the
+    # histograms, the ROC curves
     assert (len(shown), len(updated)) == (3, 2)
     assert shown[0].axes[1].lines[1].get_ydata()[0] == 0.3
     # "before": the pre-trained network's discrepancy scores on the test images, recomputed here
-    split = pipeline.make_split(cfgs[1], data, "gaussian")
-    base = copy.deepcopy(pipeline.pretrained(cfgs[1], split, progress=False, log=None)).eval()
+    split = stages.make_split(cfgs[1], data, "gaussian")
+    quiet = stages.RunOptions(progress=False, log=None)
+    base = copy.deepcopy(stages.pretrained(cfgs[1], split, quiet)).eval()
     with torch.no_grad():
         for got, x in zip(r.scores["mcd:pre-trained"], (split.test_id_x, split.test_ood_x)):
             a, b = base(x)
-            torch.testing.assert_close(got, (F.softmax(a, 1) - F.softmax(b, 1)).abs().sum(1), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(
+                got, (F.softmax(a, 1) - F.softmax(b, 1)).abs().sum(1), rtol=1e-5, atol=1e-6
+            )
     # the same setting again: loaded, its epochs replayed into a new live plot, the same metrics
     again = live.rerun(TINY, data, "gaussian", "concat", margin=0.3, epochs=3)
     assert trained == [None, "concat"] and (len(shown), len(updated)) == (6, 4)
@@ -99,10 +133,20 @@ def test_the_widgets_button_passes_the_controls_values(monkeypatch, finetune_epo
     monkeypatch.setattr(live, "rerun", lambda *args: calls.append(args) or "result")
     cfg = MCDConfig(finetune_epochs=finetune_epochs, margin=1.2)
     box, c = live.rerun_widget(cfg, "data", ("digits", "gaussian"), max_epochs=5)
-    assert (c["margin"].value, c["ood"].value, c["epochs"].value, c["epochs"].max, c["retrain"].value) == (
-        1.2, "digits", epochs, 5, False)
-    assert c["strategy"].options == STRATEGIES
-    c["margin"].value, c["ood"].value, c["strategy"].value, c["epochs"].value, c["retrain"].value = (
-        0.5, "gaussian", "split-bn", 3, True)
+    assert (
+        c["margin"].value,
+        c["ood"].value,
+        c["epochs"].value,
+        c["epochs"].max,
+        c["retrain"].value,
+    ) == (1.2, "digits", epochs, 5, False)
+    assert c["strategy"].options == tuple(STRATEGIES)
+    (
+        c["margin"].value,
+        c["ood"].value,
+        c["strategy"].value,
+        c["epochs"].value,
+        c["retrain"].value,
+    ) = (0.5, "gaussian", "split-bn", 3, True)
     c["button"].click()
     assert calls == [(cfg, "data", "gaussian", "split-bn", 0.5, 3, True)] and c["last"] == "result"

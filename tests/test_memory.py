@@ -1,4 +1,6 @@
-"""mcd_helpers.memory: the saved-tensor meter on graphs whose saved tensors are known by hand, and step_cost."""
+"""mcd_helpers.memory: the saved-tensor meter on graphs whose saved tensors are known by hand, and
+step_cost."""
+
 import copy
 
 import pytest
@@ -26,7 +28,10 @@ class SavesTwo(torch.autograd.Function):
 
 
 def test_meter_counts_saved_bytes_and_releases_them_when_autograd_frees_them():
-    a, b = torch.randn(10, 3, dtype=D, requires_grad=True), torch.randn(10, 3, dtype=torch.float32, requires_grad=True)
+    a, b = (
+        torch.randn(10, 3, dtype=D, requires_grad=True),
+        torch.randn(10, 3, dtype=torch.float32, requires_grad=True),
+    )
     with SavedTensorMeter() as meter:
         loss = SavesTwo.apply(a, b.double()).sum()  # saves a (240 B) and b.double() (240 B)
     assert meter.live_bytes == meter.peak_bytes == 480
@@ -51,7 +56,8 @@ def test_meter_counts_views_of_one_storage_by_the_memory_they_view():
     x = torch.randn(10, 4, dtype=D, requires_grad=True)
     base = torch.randn(10, 8, dtype=D)
     with SavedTensorMeter() as meter:
-        out = SavesTwo.apply(x, base[:, :4]) + SavesTwo.apply(x, base[:, 4:])  # two views of one storage
+        # two views of one storage
+        out = SavesTwo.apply(x, base[:, :4]) + SavesTwo.apply(x, base[:, 4:])
     assert meter.peak_bytes == 320 + 2 * 320  # x once, each 40-element view once
     del out
 
@@ -63,7 +69,8 @@ def test_batchnorm_running_buffers_are_counted_unless_excluded():
         y = bn(x)
     with SavedTensorMeter(exclude=[*bn.parameters(), *bn.buffers(), x]) as meter2:
         y2 = bn(x)
-    # besides x and the weight: running_mean, running_var, the batch mean and 1/std, (4,) float64 each
+    # besides x and the weight: running_mean, running_var, the batch mean and 1/std, (4,) float64
+    # each
     assert (meter.peak_bytes, meter2.peak_bytes) == (4 * 4 * 8, 2 * 4 * 8)
     del y, y2
 
@@ -88,8 +95,12 @@ class Two(nn.Module):
 def setup(n_sup=20, n_unsup=12):
     model = Two().double()
     g = torch.Generator().manual_seed(1)
-    return model, (torch.randn(n_sup, 6, generator=g), torch.randint(0, 3, (n_sup,), generator=g),
-                   torch.randn(n_unsup, 6, generator=g))  # float32 inputs: step_cost moves them to the model's dtype
+    # float32 inputs: step_cost moves them to the model's dtype
+    return model, (
+        torch.randn(n_sup, 6, generator=g),
+        torch.randint(0, 3, (n_sup,), generator=g),
+        torch.randn(n_unsup, 6, generator=g),
+    )
 
 
 def part_peak(model, x, y=None):
@@ -104,9 +115,11 @@ def test_schedules_keep_both_graphs_or_one_at_a_time():
     model, (x_s, y_s, x_u) = setup()
     sup, unsup = part_peak(model, x_s.double(), y_s), part_peak(model, x_u.double())
     res = {s: step_cost(model, x_s, y_s, x_u, s) for s in BACKWARD_SCHEDULES}
-    assert res["separate"].peak_bytes == res["per_part_late"].peak_bytes == sup + unsup  # both graphs alive at once
+    # both graphs alive at once
+    assert res["separate"].peak_bytes == res["per_part_late"].peak_bytes == sup + unsup
     assert res["per_part"].peak_bytes == max(sup, unsup) < sup + unsup  # one part's graph at a time
-    assert res["concat"].peak_bytes >= sup + unsup - 32 * 8  # one graph of both parts (less what inputs share)
+    # one graph of both parts (less what inputs share)
+    assert res["concat"].peak_bytes >= sup + unsup - 32 * 8
     assert all(r.live_after_bytes == 0 for r in res.values())  # every graph freed by its backward
 
 
@@ -118,10 +131,19 @@ def test_every_schedule_leaves_the_gradient_of_the_step_b_loss():
     ce = lambda z: -logp(z)[torch.arange(len(y_s)), y_s].mean()  # noqa: E731
     ent = lambda z: -(logp(z).exp() * logp(z)).sum(1)  # noqa: E731
     loss = ce(a1) + ce(a2) + torch.clamp(1.2 - (ent(b1) - ent(b2)).mean(), min=0)
-    want = dict(zip([n for n, _ in ref.named_parameters()], torch.autograd.grad(loss, list(ref.parameters()))))
+    want = dict(
+        zip(
+            [n for n, _ in ref.named_parameters()],
+            torch.autograd.grad(loss, list(ref.parameters())),
+        )
+    )
     for s in BACKWARD_SCHEDULES:
         r = step_cost(model, x_s, y_s, x_u, s)
-        assert r.loss == pytest.approx(loss.item(), abs=1e-12) and r.schedule == s and r.device == "cpu"
+        assert (
+            r.loss == pytest.approx(loss.item(), abs=1e-12)
+            and r.schedule == s
+            and r.device == "cpu"
+        )
         assert r.grads.keys() == want.keys()
         for name, g in r.grads.items():
             torch.testing.assert_close(g, want[name], rtol=0, atol=1e-12, msg=f"{s} {name}")
@@ -134,7 +156,8 @@ def test_timing_runs_on_the_copy_and_reports_a_median():
     assert step_cost(model, x_s, y_s, x_u, "separate").ms_per_step is None
     timed = step_cost(model, x_s, y_s, x_u, "separate", repeats=3)
     assert 0 < timed.ms_per_step < 10_000
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # SGD steps only on the copy
+    # SGD steps only on the copy
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 class OneHead(nn.Module):
@@ -149,17 +172,63 @@ class OneHead(nn.Module):
 same = lambda xs, ys, xu: (xs, ys, xu)  # noqa: E731
 
 
-@pytest.mark.parametrize("model, inputs, kwargs, error, match", [
-    (Two(), same, dict(schedule="interleave"), ValueError, r"schedule must be one of \('concat', 'separate'.*'interleave'"),
-    (Two(), same, dict(repeats=-1), ValueError, "repeats an integer >= 0; got 'separate', repeats=-1"),
-    (Two(), same, dict(repeats=1.5), ValueError, "repeats an integer >= 0; got 'separate', repeats=1.5"),
-    (Two(), lambda xs, ys, xu: (xs.numpy(), ys, xu), {}, TypeError, "x_sup, y_sup and x_unsup must be torch.Tensors"),
-    (Two(), lambda xs, ys, xu: (xs, ys, xu[:, :5]), {}, ValueError,
-     r"x_sup \(20, 6\) and x_unsup \(12, 5\) must agree but in batch size"),
-    (Two().requires_grad_(False), same, {}, ValueError, r"the model \(Two\) has no parameter with requires_grad=True"),
-    *[(OneHead(), same, dict(schedule=s), TypeError, r"return \(logits1, logits2\), the outputs of F1 and F2")
-      for s in ("concat", "separate", "per_part_late", "per_part")],
-])
+@pytest.mark.parametrize(
+    "model, inputs, kwargs, error, match",
+    [
+        (
+            Two(),
+            same,
+            dict(schedule="interleave"),
+            ValueError,
+            r"schedule must be one of \('concat', 'separate'.*'interleave'",
+        ),
+        (
+            Two(),
+            same,
+            dict(repeats=-1),
+            ValueError,
+            "repeats an integer >= 0; got 'separate', repeats=-1",
+        ),
+        (
+            Two(),
+            same,
+            dict(repeats=1.5),
+            ValueError,
+            "repeats an integer >= 0; got 'separate', repeats=1.5",
+        ),
+        (
+            Two(),
+            lambda xs, ys, xu: (xs.numpy(), ys, xu),
+            {},
+            TypeError,
+            "x_sup, y_sup and x_unsup must be torch.Tensors",
+        ),
+        (
+            Two(),
+            lambda xs, ys, xu: (xs, ys, xu[:, :5]),
+            {},
+            ValueError,
+            r"x_sup \(20, 6\) and x_unsup \(12, 5\) must agree but in batch size",
+        ),
+        (
+            Two().requires_grad_(False),
+            same,
+            {},
+            ValueError,
+            r"the model \(Two\) has no parameter with requires_grad=True",
+        ),
+        *[
+            (
+                OneHead(),
+                same,
+                dict(schedule=s),
+                TypeError,
+                r"return \(logits1, logits2\), the outputs of F1 and F2",
+            )
+            for s in ("concat", "separate", "per_part_late", "per_part")
+        ],
+    ],
+)
 def test_step_cost_refuses_what_it_cannot_measure(model, inputs, kwargs, error, match):
     _, batches = setup()
     with pytest.raises(error, match=match):
@@ -169,5 +238,10 @@ def test_step_cost_refuses_what_it_cannot_measure(model, inputs, kwargs, error, 
 @pytest.mark.parametrize("context", [torch.no_grad, torch.inference_mode])
 def test_step_cost_refuses_to_run_with_autograd_disabled(context):
     model, (x_s, y_s, x_u) = setup()
-    with context(), pytest.raises(RuntimeError, match=r"autograd is disabled here \(torch.no_grad\(\) or torch.inference"):
+    with (
+        context(),
+        pytest.raises(
+            RuntimeError, match=r"autograd is disabled here \(torch.no_grad\(\) or torch.inference"
+        ),
+    ):
         step_cost(model, x_s, y_s, x_u)

@@ -1,10 +1,18 @@
 """mcd_helpers.models: published sizes, the two heads on shared features, and the input checks."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mcd_helpers.models import TwoHeadNet, build_model, densenet_bc_100, resnet_20, small_cnn, wrn_28_10
+from mcd_helpers.models import (
+    TwoHeadNet,
+    build_model,
+    densenet_bc_100,
+    resnet_20,
+    small_cnn,
+    wrn_28_10,
+)
 
 
 def one_head_params(m):
@@ -13,8 +21,8 @@ def one_head_params(m):
 
 
 def test_densenet_bc_100_matches_the_published_size():
-    # Huang et al. 2017, Table 2: DenseNet-BC (L=100, k=12) has 0.8 M parameters; 342 features by hand:
-    # 24 + 16*12 = 216 -> 108 + 192 = 300 -> 150 + 192 = 342.
+    # Huang et al. 2017, Table 2: DenseNet-BC (L=100, k=12) has 0.8 M parameters; 342 features by
+    # hand: 24 + 16*12 = 216 -> 108 + 192 = 300 -> 150 + 192 = 342.
     m = densenet_bc_100(3, 10)
     assert m.feature_dim == 342 and m.F1.in_features == 342
     assert 0.75e6 < one_head_params(m) < 0.85e6
@@ -29,12 +37,19 @@ def test_wrn_28_10_matches_the_published_size_without_dropout():
 
 
 def test_resnet_20_counts_its_parameters_by_hand():
-    # He et al. 2016 (CIFAR ResNet-20: 0.27 M). By hand, 1 input channel, 6 classes: stem 16*9; a block is
-    # BN(c_in) conv(c_in->c) BN(c) conv(c->c) (+ a 1x1 shortcut where the shape changes), a BN is 2 per channel.
-    block = lambda c_in, c: 2 * c_in + 9 * c_in * c + 2 * c + 9 * c * c + (c_in * c if c_in != c else 0)  # noqa: E731
+    # He et al. 2016 (CIFAR ResNet-20: 0.27 M). By hand, 1 input channel, 6 classes: stem 16*9; a
+    # block is BN(c_in) conv(c_in->c) BN(c) conv(c->c) (+ a 1x1 shortcut where the shape changes), a
+    # BN is 2 per channel.
+    block = lambda c_in, c: (
+        2 * c_in + 9 * c_in * c + 2 * c + 9 * c * c + (c_in * c if c_in != c else 0)
+    )  # noqa: E731
     stages = sum(block(c_in, c) + 2 * block(c, c) for c_in, c in ((16, 16), (16, 32), (32, 64)))
     m = resnet_20(1, 6)
-    assert sum(p.numel() for p in m.parameters()) == 16 * 9 + stages + 2 * 64 + 2 * (64 * 6 + 6) == 272_124
+    assert (
+        sum(p.numel() for p in m.parameters())
+        == 16 * 9 + stages + 2 * 64 + 2 * (64 * 6 + 6)
+        == 272_124
+    )
     assert m.feature_dim == 64 and sum(isinstance(x, nn.BatchNorm2d) for x in m.modules()) == 19
 
 
@@ -44,15 +59,18 @@ def test_small_cnn_is_cpu_sized_with_128_features():
     assert 0.05e6 < sum(p.numel() for p in m.parameters()) < 0.2e6  # "about 0.1 M"
 
 
-@pytest.mark.parametrize("build, shape, k", [
-    (lambda: small_cnn(1, 10, "batch"), (3, 1, 28, 28), 10),
-    (lambda: small_cnn(3, 7, "none", width=8), (3, 3, 32, 32), 7),
-    (lambda: densenet_bc_100(1, 100), (2, 1, 32, 32), 100),
-    (lambda: wrn_28_10(3, 10), (1, 3, 32, 32), 10),
-    (lambda: build_model("resnet_20", 1, 6), (2, 1, 28, 28), 6),
-    (lambda: build_model("small_cnn", 2, 5, "group"), (2, 2, 28, 28), 5),
-    (lambda: build_model("densenet_bc_100", 3, 4), (2, 3, 16, 16), 4),
-])
+@pytest.mark.parametrize(
+    "build, shape, k",
+    [
+        (lambda: small_cnn(1, 10, "batch"), (3, 1, 28, 28), 10),
+        (lambda: small_cnn(3, 7, "none", width=8), (3, 3, 32, 32), 7),
+        (lambda: densenet_bc_100(1, 100), (2, 1, 32, 32), 100),
+        (lambda: wrn_28_10(3, 10), (1, 3, 32, 32), 10),
+        (lambda: build_model("resnet_20", 1, 6), (2, 1, 28, 28), 6),
+        (lambda: build_model("small_cnn", 2, 5, "group"), (2, 2, 28, 28), 5),
+        (lambda: build_model("densenet_bc_100", 3, 4), (2, 3, 16, 16), 4),
+    ],
+)
 def test_forward_is_the_two_heads_on_shared_features(build, shape, k):
     m = build().eval()
     x = torch.randn(shape)
@@ -71,7 +89,11 @@ def test_build_model_builds_the_named_architecture():
     assert build_model("wrn_28_10", 1, 10).G[0].in_channels == 1
     gn = build_model("small_cnn", 1, 10, "group")
     assert any(isinstance(m, nn.GroupNorm) for m in gn.modules())
-    with pytest.raises(ValueError, match="unknown model 'resnet18'; choose from small_cnn, resnet_20, densenet_bc_100, wrn_28_10"):
+    with pytest.raises(
+        ValueError,
+        match="unknown model 'resnet18'; choose from small_cnn, resnet_20, densenet_bc_100, "
+        "wrn_28_10",
+    ):
         build_model("resnet18", 3, 10)
 
 
@@ -117,24 +139,46 @@ def test_dropout_draws_new_masks_per_forward_in_train_mode_only():
 
 @pytest.mark.parametrize("build, size", [(small_cnn, 8), (densenet_bc_100, 4)])
 def test_smallest_image_size_goes_through_and_one_less_is_refused(build, size):
-    # by hand: small_cnn's three 2x2 max-pools take 8 -> 1; DenseNet's two 2x2 average pools take 4 -> 1
+    # by hand: small_cnn's three 2x2 max-pools take 8 -> 1; DenseNet's two 2x2 average pools take 4
+    # -> 1
     m = build().eval()
     c = m.in_channels
     with torch.no_grad():
         assert m(torch.zeros(2, c, size, size))[0].shape == (2, 10)
-    with pytest.raises(ValueError, match=f"got {size - 1}x{size - 1} images; this model needs at least {size}x{size}"):
+    with pytest.raises(
+        ValueError,
+        match=f"got {size - 1}x{size - 1} images; this model needs at least {size}x{size}",
+    ):
         m(torch.zeros(2, c, size - 1, size - 1))
 
 
-@pytest.mark.parametrize("x, match", [
-    (torch.zeros(1, 28, 28), r"got shape \(1, 28, 28\); expected an image batch \(N, C, H, W\): add a batch axis "
-                             r"with x.unsqueeze\(0\)"),
-    (torch.zeros(2, 28 * 28), r"got shape \(2, 784\); expected an image batch \(N, C, H, W\)\.$"),
-    (torch.zeros(2, 1, 28, 28, dtype=torch.uint8), r"got dtype torch.uint8; convert with x.float\(\) / 255"),
-    (torch.zeros(2, 1, 28, 28, dtype=torch.float64), r"got torch.float64 images for a torch.float32 model; "
-                                                     r"convert with x.to\(torch.float32\)"),
-    (torch.zeros(2, 3, 28, 28), "got 3 channels; this model takes 1: build it with in_channels=3"),
-])
+@pytest.mark.parametrize(
+    "x, match",
+    [
+        (
+            torch.zeros(1, 28, 28),
+            r"got shape \(1, 28, 28\); expected an image batch \(N, C, H, W\): add a batch axis "
+            r"with x.unsqueeze\(0\)",
+        ),
+        (
+            torch.zeros(2, 28 * 28),
+            r"got shape \(2, 784\); expected an image batch \(N, C, H, W\)\.$",
+        ),
+        (
+            torch.zeros(2, 1, 28, 28, dtype=torch.uint8),
+            r"got dtype torch.uint8; convert with x.float\(\) / 255",
+        ),
+        (
+            torch.zeros(2, 1, 28, 28, dtype=torch.float64),
+            r"got torch.float64 images for a torch.float32 model; "
+            r"convert with x.to\(torch.float32\)",
+        ),
+        (
+            torch.zeros(2, 3, 28, 28),
+            "got 3 channels; this model takes 1: build it with in_channels=3",
+        ),
+    ],
+)
 def test_inputs_the_model_cannot_take_are_refused_with_the_fix(x, match):
     m = small_cnn(in_channels=1)
     with pytest.raises(ValueError, match=match):
@@ -144,29 +188,42 @@ def test_inputs_the_model_cannot_take_are_refused_with_the_fix(x, match):
 
 
 def test_non_tensor_input_is_a_type_error_and_matching_dtypes_work():
-    with pytest.raises(TypeError, match=r"expected a torch.Tensor of shape \(N, C, H, W\), got list"):
+    with pytest.raises(
+        TypeError, match=r"expected a torch.Tensor of shape \(N, C, H, W\), got list"
+    ):
         small_cnn()([[0.0]])
     m = small_cnn().double().eval()
     assert m(torch.zeros(2, 1, 28, 28, dtype=torch.float64))[0].dtype == torch.float64
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts inside the layers: not refused
-        assert small_cnn(norm="none", width=4).eval()(torch.zeros(2, 1, 8, 8, dtype=torch.bfloat16))[0].shape == (2, 10)
+    # autocast casts inside the layers: not refused
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert small_cnn(norm="none", width=4).eval()(
+            torch.zeros(2, 1, 8, 8, dtype=torch.bfloat16)
+        )[0].shape == (2, 10)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(norm="layer"), r"norm must be one of \('batch', 'group', 'none'\).*got norm='layer'"),
-    (dict(dropout=1.0), r"dropout in \[0, 1\).*dropout=1.0"),
-    (dict(dropout=-0.1), r"dropout in \[0, 1\).*dropout=-0.1"),
-    (dict(width=0), "width and in_channels >= 1.*width=0"),
-    (dict(in_channels=0), "width and in_channels >= 1.*in_channels=0"),
-    (dict(width=12, norm="group"), r"widths must split into min\(8, channels\) groups: use a width of 1, 2, 4 or a "
-                                   "multiple of 8, got 12"),
-    (dict(num_classes=1), "num_classes must be >= 2 and in_channels >= 1, got 1 and 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(norm="layer"), r"norm must be one of \('batch', 'group', 'none'\).*got norm='layer'"),
+        (dict(dropout=1.0), r"dropout in \[0, 1\).*dropout=1.0"),
+        (dict(dropout=-0.1), r"dropout in \[0, 1\).*dropout=-0.1"),
+        (dict(width=0), "width and in_channels >= 1.*width=0"),
+        (dict(in_channels=0), "width and in_channels >= 1.*in_channels=0"),
+        (
+            dict(width=12, norm="group"),
+            r"widths must split into min\(8, channels\) groups: use a width of 1, 2, 4 or a "
+            "multiple of 8, got 12",
+        ),
+        (dict(num_classes=1), "num_classes must be >= 2 and in_channels >= 1, got 1 and 1"),
+    ],
+)
 def test_bad_builder_arguments_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         small_cnn(**kwargs)
 
 
 def test_two_head_net_refuses_a_one_class_or_channelless_model():
-    with pytest.raises(ValueError, match="num_classes must be >= 2 and in_channels >= 1, got 3 and 0"):
+    with pytest.raises(
+        ValueError, match="num_classes must be >= 2 and in_channels >= 1, got 3 and 0"
+    ):
         TwoHeadNet(nn.Flatten(), 4, num_classes=3, in_channels=0)

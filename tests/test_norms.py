@@ -1,4 +1,6 @@
-"""mcd_helpers.norms: per-source statistics, recalibration and frozen BatchNorm, checked against nn.BatchNorm and by hand."""
+"""mcd_helpers.norms: per-source statistics, recalibration and frozen BatchNorm, checked against
+nn.BatchNorm and by hand."""
+
 import copy
 
 import pytest
@@ -7,8 +9,14 @@ from torch import nn
 
 from mcd_helpers.compare import compare_forwards
 from mcd_helpers.models import small_cnn
-from mcd_helpers.norms import (PerSourceBatchNorm, freeze_bn, has_sources, per_source_batchnorm, recalibrate_bn,
-                               use_source)
+from mcd_helpers.norms import (
+    PerSourceBatchNorm,
+    freeze_bn,
+    has_sources,
+    per_source_batchnorm,
+    recalibrate_bn,
+    use_source,
+)
 
 D = torch.float64
 
@@ -21,7 +29,9 @@ def data(n, shift=0.0, seed=0):
     return torch.randn(n, 4, generator=torch.Generator().manual_seed(seed), dtype=D) * 2 + shift
 
 
-@pytest.mark.parametrize("bn_cls, shape", [(nn.BatchNorm2d, (6, 3, 4, 4)), (nn.BatchNorm1d, (6, 3))])
+@pytest.mark.parametrize(
+    "bn_cls, shape", [(nn.BatchNorm2d, (6, 3, 4, 4)), (nn.BatchNorm1d, (6, 3))]
+)
 @pytest.mark.parametrize("momentum", [0.1, None])
 def test_one_source_is_plain_batchnorm(bn_cls, shape, momentum):
     ref = bn_cls(3, momentum=momentum).double()
@@ -49,7 +59,9 @@ def test_each_source_keeps_its_own_statistics_and_eval_uses_source_0():
     id_only(x_id)  # plain BatchNorm that never saw the OOD batch
     bn = model[1]
     torch.testing.assert_close(bn.running_mean[0], id_only[1].running_mean, rtol=0, atol=1e-14)
-    torch.testing.assert_close(bn.running_mean[1], 0.1 * base[0](x_ood).mean(0).detach(), rtol=0, atol=1e-14)
+    torch.testing.assert_close(
+        bn.running_mean[1], 0.1 * base[0](x_ood).mean(0).detach(), rtol=0, atol=1e-14
+    )
     assert bn.num_batches_tracked.tolist() == [1, 1]
     torch.testing.assert_close(model.eval()(x_ood), id_only.eval()(x_ood), rtol=0, atol=1e-12)
     with use_source(model, 1):  # eval mode with source 1's statistics: not the ID ones
@@ -73,7 +85,9 @@ def test_use_source_on_a_model_without_per_source_layers_changes_nothing():
     with use_source(model, 5):  # no source to switch: any number, nothing checked or changed
         out = model(x)
     assert torch.equal(out, ref(x))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values())
+    )
 
 
 def test_per_source_batchnorm_is_a_copy_with_every_batchnorm_replaced_from_its_statistics():
@@ -82,9 +96,13 @@ def test_per_source_batchnorm_is_a_copy_with_every_batchnorm_replaced_from_its_s
     model = per_source_batchnorm(base, num_sources=3)
     old = [m for m in base.modules() if isinstance(m, nn.BatchNorm2d)]
     new = [m for m in model.modules() if isinstance(m, PerSourceBatchNorm)]
-    assert len(old) == len(new) == 3 and not any(isinstance(m, nn.BatchNorm2d) for m in model.modules())
+    assert len(old) == len(new) == 3 and not any(
+        isinstance(m, nn.BatchNorm2d) for m in model.modules()
+    )
     for o, n in zip(old, new):
-        assert torch.equal(n.running_mean, o.running_mean.expand(3, -1)) and torch.equal(n.weight, o.weight)
+        assert torch.equal(n.running_mean, o.running_mean.expand(3, -1)) and torch.equal(
+            n.weight, o.weight
+        )
         assert n.num_batches_tracked.tolist() == [1, 1, 1] and n.num_sources == 3
     assert has_sources(model) and not has_sources(base)  # the original is untouched
     x = torch.randn(3, 1, 8, 8)
@@ -108,9 +126,15 @@ def test_recalibrate_averages_the_batch_statistics_and_skips_a_one_sample_tail()
     assert recalibrate_bn(model, x, batch_size=10) is model
     with torch.no_grad():
         chunks = model[0](x[:40]).split(10)  # the BatchNorm's inputs
-    torch.testing.assert_close(model[1].running_mean, torch.stack([c.mean(0) for c in chunks]).mean(0), rtol=0, atol=1e-12)
-    torch.testing.assert_close(model[1].running_var, torch.stack([c.var(0) for c in chunks]).mean(0), rtol=0, atol=1e-12)
-    assert not model.training and model[1].momentum == 0.1 and int(model[1].num_batches_tracked) == 4
+    torch.testing.assert_close(
+        model[1].running_mean, torch.stack([c.mean(0) for c in chunks]).mean(0), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        model[1].running_var, torch.stack([c.var(0) for c in chunks]).mean(0), rtol=0, atol=1e-12
+    )
+    assert (
+        not model.training and model[1].momentum == 0.1 and int(model[1].num_batches_tracked) == 4
+    )
 
 
 def test_recalibrate_rewrites_source_0_only():
@@ -124,7 +148,9 @@ def test_recalibrate_rewrites_source_0_only():
         h = model[0](x)
     torch.testing.assert_close(model[1].running_mean[0], h.mean(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(model[1].running_var[0], h.var(0), rtol=0, atol=1e-12)
-    assert torch.equal(model[1].running_mean[1], source_1[0]) and torch.equal(model[1].running_var[1], source_1[1])
+    assert torch.equal(model[1].running_mean[1], source_1[0]) and torch.equal(
+        model[1].running_var[1], source_1[1]
+    )
     assert model[1].num_batches_tracked.tolist() == [1, 1] and model[1].momentum == 0.1
 
 
@@ -133,7 +159,8 @@ def test_recalibrate_restores_everything_on_error_and_keeps_frozen_layers_frozen
     model(data(16, 2.0))
     before = copy.deepcopy(model.state_dict())
     with pytest.raises(RuntimeError):
-        recalibrate_bn(model, torch.randn(10, 3, dtype=D))  # wrong feature count, raised inside the forward
+        # wrong feature count, raised inside the forward
+        recalibrate_bn(model, torch.randn(10, 3, dtype=D))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.training and model[1].momentum == 0.1
     frozen = freeze_bn(net().train())
@@ -151,22 +178,59 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
     assert model[1].weight.grad.abs().sum() > 0 and int(model[1].num_batches_tracked) == 0
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: PerSourceBatchNorm(3, num_sources=0), "num_sources must be >= 1, got 0"),
-    (lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, affine=False)), "affine=False.*needs affine=True"),
-    (lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False)),
-     "cannot get per-source statistics: needs affine=True and track_running_stats=True"),
-    (lambda: per_source_batchnorm(nn.Sequential(nn.Linear(2, 2))), "the model has no BatchNorm layer"),
-    (lambda: use_source(per_source_batchnorm(net()), 2).__enter__(), r"source must be in \[0, 2\), got 2"),
-    (lambda: use_source(per_source_batchnorm(net()), -1).__enter__(), r"source must be in \[0, 2\), got -1"),
-    (lambda: recalibrate_bn(nn.Linear(4, 2), data(4)), "recalibrate_bn: the model has no BatchNorm layer with running"),
-    (lambda: recalibrate_bn(nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False)), data(4)), "no BatchNorm layer"),
-    (lambda: recalibrate_bn(net(), data(1)), r"needs a batch tensor x \(N, \.\.\.\) with N >= 2 samples"),
-    (lambda: recalibrate_bn(net(), data(8).tolist()), "needs a batch tensor x"),
-    (lambda: recalibrate_bn(net(), data(8), batch_size=1), "batch_size must be an integer >= 2.*got 1"),
-    (lambda: recalibrate_bn(net(), data(8), batch_size=2.5), "batch_size must be an integer >= 2.*got 2.5"),
-    (lambda: freeze_bn(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))), "freeze_bn: the model has no BatchNorm layer"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: PerSourceBatchNorm(3, num_sources=0), "num_sources must be >= 1, got 0"),
+        (
+            lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, affine=False)),
+            "affine=False.*needs affine=True",
+        ),
+        (
+            lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False)),
+            "cannot get per-source statistics: needs affine=True and track_running_stats=True",
+        ),
+        (
+            lambda: per_source_batchnorm(nn.Sequential(nn.Linear(2, 2))),
+            "the model has no BatchNorm layer",
+        ),
+        (
+            lambda: use_source(per_source_batchnorm(net()), 2).__enter__(),
+            r"source must be in \[0, 2\), got 2",
+        ),
+        (
+            lambda: use_source(per_source_batchnorm(net()), -1).__enter__(),
+            r"source must be in \[0, 2\), got -1",
+        ),
+        (
+            lambda: recalibrate_bn(nn.Linear(4, 2), data(4)),
+            "recalibrate_bn: the model has no BatchNorm layer with running",
+        ),
+        (
+            lambda: recalibrate_bn(
+                nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False)), data(4)
+            ),
+            "no BatchNorm layer",
+        ),
+        (
+            lambda: recalibrate_bn(net(), data(1)),
+            r"needs a batch tensor x \(N, \.\.\.\) with N >= 2 samples",
+        ),
+        (lambda: recalibrate_bn(net(), data(8).tolist()), "needs a batch tensor x"),
+        (
+            lambda: recalibrate_bn(net(), data(8), batch_size=1),
+            "batch_size must be an integer >= 2.*got 1",
+        ),
+        (
+            lambda: recalibrate_bn(net(), data(8), batch_size=2.5),
+            "batch_size must be an integer >= 2.*got 2.5",
+        ),
+        (
+            lambda: freeze_bn(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))),
+            "freeze_bn: the model has no BatchNorm layer",
+        ),
+    ],
+)
 def test_refused_models_and_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()

@@ -1,6 +1,8 @@
-"""The committed benchmark results (``benchmarks/results/*/``): every row whose per-sample scores are
-committed recomputes from its ``scores/*.npz`` with scikit-learn alone (AUROC, AUPR-In/Out, FPR95 with
-ID as the positive class, as ``mcd_helpers.metrics`` defines them), so no number in a table is unbacked."""
+"""The committed benchmark results (``benchmarks/results/*/``): every row whose per-sample scores
+are committed recomputes from its ``scores/*.npz`` with scikit-learn alone (AUROC, AUPR-In/Out,
+FPR95 with ID as the positive class, as ``mcd_helpers.metrics`` defines them), so no number in a
+table is unbacked."""
+
 import json
 from pathlib import Path
 
@@ -10,16 +12,24 @@ from scipy import stats
 from sklearn.metrics import average_precision_score, roc_auc_score, roc_curve
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
-WITH_SCORES = sorted(p.parent for p in RESULTS.glob("*/results.json") if (p.parent / "scores").is_dir())  # finished runs
+# finished runs
+WITH_SCORES = sorted(
+    p.parent for p in RESULTS.glob("*/results.json") if (p.parent / "scores").is_dir()
+)
 
 
 def by_sklearn(s_id: np.ndarray, s_ood: np.ndarray) -> dict:
-    """Higher score = more OOD; FPR95: the OOD share accepted at the first threshold accepting >= 95% of ID."""
+    """Higher score = more OOD; FPR95: the OOD share accepted at the first threshold accepting >=
+    95% of ID."""
     y_ood = np.r_[np.zeros(len(s_id)), np.ones(len(s_ood))]
     s = np.r_[s_id, s_ood].astype(np.float64)
     fpr, tpr, _ = roc_curve(1 - y_ood, -s, drop_intermediate=False)
-    return {"auroc": roc_auc_score(y_ood, s), "aupr_in": average_precision_score(1 - y_ood, -s),
-            "aupr_out": average_precision_score(y_ood, s), "fpr95": fpr[np.argmax(tpr * len(s_id) >= 0.95 * len(s_id) - 1e-9)]}
+    return {
+        "auroc": roc_auc_score(y_ood, s),
+        "aupr_in": average_precision_score(1 - y_ood, -s),
+        "aupr_out": average_precision_score(y_ood, s),
+        "fpr95": fpr[np.argmax(tpr * len(s_id) >= 0.95 * len(s_id) - 1e-9)],
+    }
 
 
 def load(name: str) -> list[dict]:
@@ -28,8 +38,13 @@ def load(name: str) -> list[dict]:
 
 
 def primary_auroc() -> dict:
-    """The primary run's MCD AUROCs, ``(strategy, eval_stats, seed) -> auroc``: what a dose at its setting recomputes."""
-    return {(r["strategy"], r["eval_stats"], r["seed"]): r["auroc"] for r in load("primary") if r["method"] == "mcd"}
+    """The primary run's MCD AUROCs, ``(strategy, eval_stats, seed) -> auroc``: what a dose at its
+    setting recomputes."""
+    return {
+        (r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
+        for r in load("primary")
+        if r["method"] == "mcd"
+    }
 
 
 def half_width(d: np.ndarray) -> float:
@@ -38,7 +53,8 @@ def half_width(d: np.ndarray) -> float:
 
 
 def tost_p(d: np.ndarray, margin: float = 1.0) -> float:
-    """TOST within ±margin: the larger p of the one-sided t-tests mean > -margin and mean < margin."""
+    """TOST within ±margin: the larger p of the one-sided t-tests mean > -margin and mean <
+    margin."""
     se, df = d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
     return max(stats.t.sf((d.mean() + margin) / se, df), stats.t.cdf((d.mean() - margin) / se, df))
 
@@ -50,7 +66,9 @@ def test_some_results_commit_their_scores():
 @pytest.mark.parametrize("folder", WITH_SCORES, ids=[p.name for p in WITH_SCORES])
 def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder):
     rows = load(folder.name)
-    assert rows and all((folder / r["scores"]).is_file() for r in rows), "a row's scores file is not committed"
+    assert rows and all((folder / r["scores"]).is_file() for r in rows), (
+        "a row's scores file is not committed"
+    )
     for r in rows:
         with np.load(folder / r["scores"]) as z:
             s_id, s_ood = z["id"], z["ood"]
@@ -61,7 +79,8 @@ def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder
 
 
 def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
-    # README "The reference answer under BatchNorm" and docs/near-ood.md; recomputed here with scipy alone
+    # README "The reference answer under BatchNorm" and docs/near-ood.md; recomputed here with scipy
+    # alone
     rows = load("primary")
     v = {(r["strategy"], r["eval_stats"], r["seed"]): r for r in rows if r["method"] == "mcd"}
     seeds = sorted({r["seed"] for r in rows})
@@ -71,20 +90,37 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
         return round(d.mean(), 2), round(half_width(d), 2), stats.ttest_1samp(d, 0).pvalue, d
 
     mean, half, p, d = diff("concat", "separate")
-    assert seeds == list(range(20)) and (mean, half) == (6.96, 3.14) and 1e-4 < p < 2e-4 and (d > 0).all()
+    assert (
+        seeds == list(range(20))
+        and (mean, half) == (6.96, 3.14)
+        and 1e-4 < p < 2e-4
+        and (d > 0).all()
+    )
     assert stats.binomtest(20, 20).pvalue < 2e-6  # the exact sign test: 20 of 20 seeds positive
     assert diff("concat", "separate", "recalibrated")[:2] == (12.92, 3.52)  # the weights alone
     assert diff("concat", "separate", metric="fpr95")[:2] == (-22.0, 5.45)
     assert diff("separate", "frozen-bn")[:2] == (-6.03, 2.88)
     mean, half, p, d = diff("concat-both", "concat")
-    assert (mean, half) == (0.09, 0.24) and p > 0.4  # Step A's concatenation adds nothing measurable
-    assert f"{tost_p(d):.2g}" == "8.2e-08" and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    # Step A's concatenation adds nothing measurable
+    assert (mean, half) == (0.09, 0.24) and p > 0.4
+    assert (
+        f"{tost_p(d):.2g}" == "8.2e-08"
+        and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |"
+        in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    )
     mean, half, _, d = diff("frozen-bn-concat", "frozen-bn")
-    assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47  # float32 rounding grown over 200 steps
-    assert f"{tost_p(d):.2g}" == "2.2e-16" and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
-    mean = lambda s, stats_="running": round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
+    # float32 rounding grown over 200 steps
+    assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47
+    assert (
+        f"{tost_p(d):.2g}" == "2.2e-16"
+        and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    )
+    mean = lambda s, stats_="running": round(
+        100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2
+    )  # noqa: E731
     assert [mean(s) for s in ("separate", "frozen-bn", "concat")] == [84.15, 90.17, 91.10]
-    assert mean("separate", "recalibrated") == 78.13 < mean("separate")  # its running statistics rescue part
+    # its running statistics rescue part
+    assert mean("separate", "recalibrated") == 78.13 < mean("separate")
     assert sum(v["separate", "running", i]["auroc"] < 0.73 for i in seeds) == 3
     assert diff("concat", "separate", metric="id_accuracy")[:2] == (0.13, 0.23)
     assert round(stats.binomtest(20, 20).pvalue, 7) == 1.9e-6
@@ -93,94 +129,209 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
 def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
     # docs/near-ood.md, "Dose-response in fine-tuning length": recomputed from the committed rows
     rows = load("dose-length")
-    v = {(r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
+    v = {
+        (r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"]
+        for r in rows
+        if r["method"] == "mcd"
+    }
     table = {}
     for steps in (30, 60, 120, 240, 480):
         d = 100 * np.array([v[steps, "concat", s] - v[steps, "separate", s] for s in range(10)])
         half = half_width(d)
         table[steps] = (round(d.mean(), 2), round(half, 2), int((d > 0).sum()))
-    assert table == {30: (1.71, 1.55, 9), 60: (4.63, 1.22, 10), 120: (4.75, 2.48, 10), 240: (6.98, 2.49, 10),
-                     480: (11.65, 7.39, 10)}
+    assert table == {
+        30: (1.71, 1.55, 9),
+        60: (4.63, 1.22, 10),
+        120: (4.75, 2.48, 10),
+        240: (6.98, 2.49, 10),
+        480: (11.65, 7.39, 10),
+    }
     arm = lambda steps, s: round(100 * np.mean([v[steps, s, i] for i in range(10)]), 2)  # noqa: E731
-    assert [arm(n, "separate") for n in (120, 480)] == [85.46, 80.92]  # separate peaks, then degrades
-    assert [arm(n, "concat") for n in (30, 60, 120, 240, 480)] == sorted(arm(n, "concat") for n in (30, 60, 120, 240, 480))
+    # separate peaks, then degrades
+    assert [arm(n, "separate") for n in (120, 480)] == [85.46, 80.92]
+    assert [arm(n, "concat") for n in (30, 60, 120, 240, 480)] == sorted(
+        arm(n, "concat") for n in (30, 60, 120, 240, 480)
+    )
 
 
 def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_same_network():
     # docs/near-ood.md, "Dose-response in the margin"
     rows = load("dose-margin")
-    v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"]
-         for r in rows if r["method"] == "mcd"}
+    v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
     table = {}
     for m in ("0.35", "0.7", "1.2", "2.0"):
-        d = 100 * np.array([v[f"margin={m}", "concat", s] - v[f"margin={m}", "separate", s] for s in range(10)])
+        d = 100 * np.array(
+            [v[f"margin={m}", "concat", s] - v[f"margin={m}", "separate", s] for s in range(10)]
+        )
         table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
-    assert table == {"0.35": (2.89, 2.02, 9), "0.7": (5.92, 2.45, 10), "1.2": (7.29, 5.16, 10), "2.0": (7.29, 5.16, 10)}
-    assert all(v["margin=1.2", s, i] == v["margin=2.0", s, i] for s in ("concat", "separate") for i in range(10))
+    assert table == {
+        "0.35": (2.89, 2.02, 9),
+        "0.7": (5.92, 2.45, 10),
+        "1.2": (7.29, 5.16, 10),
+        "2.0": (7.29, 5.16, 10),
+    }
+    assert all(
+        v["margin=1.2", s, i] == v["margin=2.0", s, i]
+        for s in ("concat", "separate")
+        for i in range(10)
+    )
     primary = primary_auroc()
-    assert all(v["margin=1.2", s, i] == primary[s, "running", i] for s in ("concat", "separate") for i in range(10))
+    assert all(
+        v["margin=1.2", s, i] == primary[s, "running", i]
+        for s in ("concat", "separate")
+        for i in range(10)
+    )
 
 
 def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primarys_networks():
-    # docs/near-ood.md, "Dose-response in the OOD share"; fraction f keeps round(2460 f) of the pool's OOD images
+    # docs/near-ood.md, "Dose-response in the OOD share"; fraction f keeps round(2460 f) of the
+    # pool's OOD images
     rows = load("dose-ood-share")
-    v = {(float(r["dose"].split("=")[1]), r["strategy"], r["seed"]): r for r in rows if r["method"] == "mcd"}
+    v = {
+        (float(r["dose"].split("=")[1]), r["strategy"], r["seed"]): r
+        for r in rows
+        if r["method"] == "mcd"
+    }
     table = {}
     for f in (0.0, 0.125, 0.25, 0.5, 1.0):
-        d = 100 * np.array([v[f, "concat", s]["auroc"] - v[f, "separate", s]["auroc"] for s in range(10)])
-        fpr = 100 * np.mean([v[f, "concat", s]["fpr95"] - v[f, "separate", s]["fpr95"] for s in range(10)])
+        d = 100 * np.array(
+            [v[f, "concat", s]["auroc"] - v[f, "separate", s]["auroc"] for s in range(10)]
+        )
+        fpr = 100 * np.mean(
+            [v[f, "concat", s]["fpr95"] - v[f, "separate", s]["fpr95"] for s in range(10)]
+        )
         share = round(100 * round(2460 * f) / (3940 + round(2460 * f)), 1)
-        table[share] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()), round(fpr, 2))
-    assert table == {0.0: (3.53, 1.71, 10, -1.34), 7.3: (2.14, 1.03, 10, -2.93), 13.5: (3.98, 2.03, 10, -9.87),
-                     23.8: (6.63, 3.41, 10, -16.86), 38.4: (7.29, 5.16, 10, -21.92)}
+        table[share] = (
+            round(d.mean(), 2),
+            round(half_width(d), 2),
+            int((d > 0).sum()),
+            round(fpr, 2),
+        )
+    assert table == {
+        0.0: (3.53, 1.71, 10, -1.34),
+        7.3: (2.14, 1.03, 10, -2.93),
+        13.5: (3.98, 2.03, 10, -9.87),
+        23.8: (6.63, 3.41, 10, -16.86),
+        38.4: (7.29, 5.16, 10, -21.92),
+    }
     arm = lambda f, s: round(100 * np.mean([v[f, s, i]["auroc"] for i in range(10)]), 2)  # noqa: E731
-    msp = round(100 * np.mean([r["auroc"] for r in rows if r["method"] == "msp" and r["dose"].endswith("=0.0")]), 2)
-    assert (arm(0.0, "separate"), arm(0.0, "concat"), msp) == (55.87, 59.4, 58.29)  # no OOD to find: at MSP's level
+    msp = round(
+        100
+        * np.mean(
+            [r["auroc"] for r in rows if r["method"] == "msp" and r["dose"].endswith("=0.0")]
+        ),
+        2,
+    )
+    # no OOD to find: at MSP's level
+    assert (arm(0.0, "separate"), arm(0.0, "concat"), msp) == (55.87, 59.4, 58.29)
     primary = primary_auroc()  # the whole pool: the primary's setting
-    assert all(v[1.0, s, i]["auroc"] == primary[s, "running", i] for s in ("concat", "separate") for i in range(10))
+    assert all(
+        v[1.0, s, i]["auroc"] == primary[s, "running", i]
+        for s in ("concat", "separate")
+        for i in range(10)
+    )
 
 
 def test_bn_momentum_moves_only_the_running_statistics_and_the_effect_hardly():
-    # docs/near-ood.md, "Dose-response in BatchNorm's momentum": last epoch, so the same weights at every momentum
+    # docs/near-ood.md, "Dose-response in BatchNorm's momentum": last epoch, so the same weights at
+    # every momentum
     rows = load("dose-momentum")
-    v = {(float(r["dose"].split("=")[1]), r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
-         for r in rows if r["method"] == "mcd"}
+    v = {
+        (float(r["dose"].split("=")[1]), r["strategy"], r["eval_stats"], r["seed"]): r["auroc"]
+        for r in rows
+        if r["method"] == "mcd"
+    }
     momenta, arms = (0.01, 0.03, 0.1, 0.3, 1.0), ("concat", "separate")
     table = {}
     for m in momenta:
-        d = 100 * np.array([v[m, "concat", "running", s] - v[m, "separate", "running", s] for s in range(10)])
+        d = 100 * np.array(
+            [v[m, "concat", "running", s] - v[m, "separate", "running", s] for s in range(10)]
+        )
         table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
-    assert table == {0.01: (8.1, 3.83, 10), 0.03: (8.1, 4.9, 10), 0.1: (7.29, 5.16, 10), 0.3: (7.28, 4.95, 10),
-                     1.0: (7.68, 4.11, 10)}
+    assert table == {
+        0.01: (8.1, 3.83, 10),
+        0.03: (8.1, 4.9, 10),
+        0.1: (7.29, 5.16, 10),
+        0.3: (7.28, 4.95, 10),
+        1.0: (7.68, 4.11, 10),
+    }
     # recomputed statistics see only the weights: bit-identical AUROCs at every momentum
-    assert all(v[m, a, "recalibrated", i] == v[0.1, a, "recalibrated", i] for m in momenta for a in arms for i in range(10))
-    d = 100 * np.array([v[0.1, "concat", "recalibrated", s] - v[0.1, "separate", "recalibrated", s] for s in range(10)])
+    assert all(
+        v[m, a, "recalibrated", i] == v[0.1, a, "recalibrated", i]
+        for m in momenta
+        for a in arms
+        for i in range(10)
+    )
+    d = 100 * np.array(
+        [
+            v[0.1, "concat", "recalibrated", s] - v[0.1, "separate", "recalibrated", s]
+            for s in range(10)
+        ]
+    )
     assert (round(d.mean(), 2), round(half_width(d), 2)) == (14.09, 5.76)
     arm = lambda m, a, e="running": round(100 * np.mean([v[m, a, e, i] for i in range(10)]), 2)  # noqa: E731
     assert [arm(m, "separate") for m in momenta] == [82.27, 82.45, 83.54, 83.59, 83.02]
     assert arm(0.1, "separate", "recalibrated") == 76.58 < min(arm(m, "separate") for m in momenta)
-    acc = lambda m, a: round(100 * np.mean([r["id_accuracy"] for r in rows if r["method"] == "mcd" and r["strategy"] == a  # noqa: E731
-                                            and r["eval_stats"] == "running" and r["dose"] == f"bn_momentum={m}"]), 2)
+    acc = lambda m, a: round(
+        100
+        * np.mean(
+            [
+                r["id_accuracy"]
+                for r in rows
+                if r["method"] == "mcd"
+                and r["strategy"] == a  # noqa: E731
+                and r["eval_stats"] == "running"
+                and r["dose"] == f"bn_momentum={m}"
+            ]
+        ),
+        2,
+    )
     assert (acc(1.0, "separate"), acc(0.1, "separate"), acc(1.0, "concat")) == (86.7, 89.61, 90.42)
     primary = primary_auroc()
-    assert all(v[0.1, a, e, i] == primary[a, e, i] for a in arms for e in ("running", "recalibrated") for i in range(10))
+    assert all(
+        v[0.1, a, e, i] == primary[a, e, i]
+        for a in arms
+        for e in ("running", "recalibrated")
+        for i in range(10)
+    )
 
 
 def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
-    # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over the 3 split means
-    rows = [r for r in load("near-ood")
-            if (r["task"], r["method"], r["norm"], r["selection"]) == ("near-ood", "mcd", "batch", "ood-labels")]
-    v = {(r["class_split"], r["protocol"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows}
+    # docs/near-ood.md, "The three-split benchmark": concat - separate per split (5 seeds) and over
+    # the 3 split means
+    rows = [
+        r
+        for r in load("near-ood")
+        if (r["task"], r["method"], r["norm"], r["selection"])
+        == ("near-ood", "mcd", "batch", "ood-labels")
+    ]
+    v = {
+        (r["class_split"], r["protocol"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows
+    }
     ci = lambda d: (d.mean(), half_width(d))  # noqa: E731
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text().replace("−", "-")
     cells = {"all": []}
     for split in "abc":
         cells[split] = []
         for protocol in ("transductive", "disjoint", "unseen-ood"):
-            d = np.array([v[split, protocol, "concat", s] - v[split, protocol, "separate", s] for s in range(5)])
-            cells[split].append(f"{ci(d)[0]:+.2f} ± {ci(d)[1]:.2f} (p {stats.ttest_1samp(d, 0).pvalue:.2g})")
+            d = np.array(
+                [
+                    v[split, protocol, "concat", s] - v[split, protocol, "separate", s]
+                    for s in range(5)
+                ]
+            )
+            cells[split].append(
+                f"{ci(d)[0]:+.2f} ± {ci(d)[1]:.2f} (p {stats.ttest_1samp(d, 0).pvalue:.2g})"
+            )
     for protocol in ("transductive", "disjoint", "unseen-ood"):
-        means = np.array([np.mean([v[s, protocol, "concat", i] - v[s, protocol, "separate", i] for i in range(5)]) for s in "abc"])
+        means = np.array(
+            [
+                np.mean(
+                    [v[s, protocol, "concat", i] - v[s, protocol, "separate", i] for i in range(5)]
+                )
+                for s in "abc"
+            ]
+        )
         cells["all"].append("{:+.2f} ± {:.2f}".format(*ci(means)))
     for split, line in cells.items():
         name = "all (3 split means)" if split == "all" else split
@@ -188,28 +339,47 @@ def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
 
 
 def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
-    # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA by hand
+    # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA
+    # by hand
     rows = load("generality")
-    v = {(r["class_split"], r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd"}
+    v = {
+        (r["class_split"], r["strategy"], r["seed"]): 100 * r["auroc"]
+        for r in rows
+        if r["method"] == "mcd"
+    }
     msp = {}
     for r in rows:
         if r["method"] == "msp":
             msp.setdefault(r["class_split"], []).append(100 * r["auroc"])
     splits = sorted({s for s, _, _ in v})
-    d = np.array([[v[s, "concat", i] - v[s, "separate", i] for i in range(3)] for s in splits])  # k x n
+    # k x n
+    d = np.array([[v[s, "concat", i] - v[s, "separate", i] for i in range(3)] for s in splits])
     k, n = d.shape
     means = d.mean(1)
     msb, msw = n * means.var(ddof=1), ((d - means[:, None]) ** 2).sum() / (k * (n - 1))
     tau2, se = (msb - msw) / n, np.sqrt(msb / (k * n))
-    half, pi = stats.t.ppf(0.975, k - 1) * se, stats.t.ppf(0.975, k - 2) * np.sqrt(tau2 + se ** 2)
-    got = [round(x, 2) for x in (d.mean(), d.mean() - half, d.mean() + half, np.sqrt(tau2), np.sqrt(msw),
-                                 d.mean() - pi, d.mean() + pi)]
+    half, pi = stats.t.ppf(0.975, k - 1) * se, stats.t.ppf(0.975, k - 2) * np.sqrt(tau2 + se**2)
+    got = [
+        round(x, 2)
+        for x in (
+            d.mean(),
+            d.mean() - half,
+            d.mean() + half,
+            np.sqrt(tau2),
+            np.sqrt(msw),
+            d.mean() - pi,
+            d.mean() + pi,
+        )
+    ]
     assert (k, n, msb > msw) == (30, 3, True)
     assert got == [2.67, 1.50, 3.84, 2.10, 4.01, -1.80, 7.14] and (means > 0).sum() == 28
-    from mcd_helpers.stats import split_effects  # the package's fit, which the notebook and summary.md show
+    # the package's fit, which the notebook and summary.md show
+    from mcd_helpers.experiments.significance import split_effects
 
     fit = split_effects(rows)
-    assert [round(100 * fit[k], 2) for k in ("mean", "low", "high", "tau", "sigma", "pi_low", "pi_high")] == got
+    assert [
+        round(100 * fit[k], 2) for k in ("mean", "low", "high", "tau", "sigma", "pi_low", "pi_high")
+    ] == got
     x = np.array([np.mean(msp[s]) for s in splits])
     slope, r = np.polyfit(x, means, 1)[0], np.corrcoef(x, means)[0, 1]
     assert (round(slope, 2), round(r, 2)) == (-0.08, -0.28)
@@ -224,25 +394,90 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
 
 
 def test_the_deeper_network_endpoint_docs_quote():
-    # docs/near-ood.md "Depth", README: concat - separate on resnet_20 and on small_cnn's primary seeds 0-9
+    # docs/near-ood.md "Depth", README: concat - separate on resnet_20 and on small_cnn's primary
+    # seeds 0-9
     def endpoint(folder):
         rows = load(folder)
-        v = {(r["strategy"], r["seed"]): 100 * r["auroc"] for r in rows if r["method"] == "mcd" and r["eval_stats"] == "running"}
+        v = {
+            (r["strategy"], r["seed"]): 100 * r["auroc"]
+            for r in rows
+            if r["method"] == "mcd" and r["eval_stats"] == "running"
+        }
         d = np.array([v["concat", s] - v["separate", s] for s in range(10)])
         arms = [round(np.mean([v[a, s] for s in range(10)]), 2) for a in ("separate", "concat")]
         return arms, round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()), d
 
     deep, shallow = endpoint("depth"), endpoint("primary")
     assert {r["model"] for r in load("depth")} == {"resnet_20"}
-    assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == ([83.54, 90.83], 7.29, 5.16, 10)
+    assert deep[:4] == ([77.22, 90.49], 13.27, 3.27, 10) and shallow[:4] == (
+        [83.54, 90.83],
+        7.29,
+        5.16,
+        10,
+    )
     gap = deep[4] - shallow[4]  # seed by seed: resnet_20's effect minus small_cnn's
     half = half_width(gap)
-    assert int((gap > 0).sum()) == 8 and f"by +{gap.mean():.2f} points, 95% CI [{gap.mean() - half:+.2f}, {gap.mean() + half:+.2f}]" \
-        == "by +5.99 points, 95% CI [-0.37, +12.34]"  # larger in the mean, not resolved
+    # larger in the mean, not resolved
+    assert (
+        int((gap > 0).sum()) == 8
+        and f"by +{gap.mean():.2f} points, 95% CI [{gap.mean() - half:+.2f}, "
+        f"{gap.mean() + half:+.2f}]"
+        == "by +5.99 points, 95% CI [-0.37, +12.34]"
+    )
     v = {(r["strategy"], r["seed"]): r for r in load("depth") if r["method"] == "mcd"}
     for metric, said in (("fpr95", "-44.47 ± 5.10"), ("id_accuracy", "+0.30 ± 0.59")):
         d = 100 * np.array([v["concat", i][metric] - v["separate", i][metric] for i in range(10)])
         assert f"{d.mean():+.2f} ± {half_width(d):.2f}" == said
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
-    assert "by +5.99 points, 95% CI [−0.37, +12.34]" in docs and "FPR95 −44.47 ± 5.10" in docs and "+0.30 ± 0.59" in docs
-    assert "| `resnet_20` | 77.22 | 90.49 | +13.27 ± 3.27 |" in docs and "+13.27" in (RESULTS.parents[1] / "README.md").read_text()
+    assert (
+        "by +5.99 points, 95% CI [−0.37, +12.34]" in docs
+        and "FPR95 −44.47 ± 5.10" in docs
+        and "+0.30 ± 0.59" in docs
+    )
+    assert (
+        "| `resnet_20` | 77.22 | 90.49 | +13.27 ± 3.27 |" in docs
+        and "+13.27" in (RESULTS.parents[1] / "README.md").read_text()
+    )
+
+
+def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
+    # docs/near-ood.md and notebook 07: per class split, from the committed rows, with scipy's
+    # paired t-test
+    import json
+    from pathlib import Path
+
+    from scipy import stats as sps
+
+    rows = json.loads(
+        (
+            Path(__file__).resolve().parents[1] / "benchmarks/results/near-ood/results.json"
+        ).read_text()
+    )
+    auroc = {
+        (r["class_split"], r["protocol"], r["strategy"], r["seed"]): r["auroc"]
+        for r in rows
+        if r["task"] == "near-ood"
+        and r["method"] == "mcd"
+        and r["norm"] == "batch"
+        and r["selection"] == "ood-labels"
+    }
+    result = {}
+    for split in "abc":
+        for protocol in ("transductive", "disjoint"):
+            d = np.array(
+                [
+                    auroc[(split, protocol, "concat", s)] - auroc[(split, protocol, "separate", s)]
+                    for s in range(5)
+                ]
+            )
+            half = sps.t.ppf(0.975, 4) * d.std(ddof=1) / np.sqrt(5)
+            result[(split, protocol)] = (100 * d.mean(), 100 * half, sps.ttest_1samp(d, 0).pvalue)
+    assert [round(result[(s, "disjoint")][0], 2) for s in "abc"] == [3.72, -0.49, 0.32]
+    assert [round(result[(s, "transductive")][0], 2) for s in "abc"] == [3.23, 0.22, 0.06]
+    mean, half, p = result[("a", "disjoint")]
+    assert mean - half > 0 and round(half, 2) == 2.39 and round(p, 3) == 0.012
+    assert all(
+        abs(result[(s, pr)][0]) < result[(s, pr)][1]
+        for s in "bc"
+        for pr in ("transductive", "disjoint")
+    )

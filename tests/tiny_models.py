@@ -1,16 +1,24 @@
 """Tiny two-head modules for tests, written independently of mcd_helpers.models."""
+
 import torch
 from torch import nn
 
 
 class TinyTwoHead(nn.Module):
-    """conv -> [norm] -> ReLU -> mean-pool -> two linear heads; forward returns (logits1, logits2)."""
+    """conv -> [norm] -> ReLU -> mean-pool -> two linear heads; forward returns (logits1,
+    logits2)."""
 
-    def __init__(self, norm: str = "none", in_channels: int = 1, num_classes: int = 3, dropout: float = 0.0):
+    def __init__(
+        self, norm: str = "none", in_channels: int = 1, num_classes: int = 3, dropout: float = 0.0
+    ):
         super().__init__()
         self.conv = nn.Conv2d(in_channels, 4, 3, padding=1)
-        self.norm = {"none": nn.Identity(), "batch": nn.BatchNorm2d(4), "group": nn.GroupNorm(2, 4),
-                     "layer": nn.GroupNorm(1, 4)}[norm]
+        self.norm = {
+            "none": nn.Identity(),
+            "batch": nn.BatchNorm2d(4),
+            "group": nn.GroupNorm(2, 4),
+            "layer": nn.GroupNorm(1, 4),
+        }[norm]
         self.drop = nn.Dropout(dropout)
         self.head_a = nn.Linear(4, num_classes)
         self.head_b = nn.Linear(4, num_classes)

@@ -1,4 +1,4 @@
-"""The training loop (mcd_helpers/train.py): data order, one iteration written out, lr decay, the
+"""The training loop (mcd_helpers/experiments/loop.py): data order, one iteration written out, lr decay, the
 history, non-finite losses, interruption and exact resume.
 
 Tiny settings: ``small_cnn(width=4)`` on 8x8 images, 48 labeled and 40 unlabeled; every number is
@@ -6,6 +6,7 @@ checked against a computation of this file (the data order from NumPy's SeedSequ
 iteration by hand in float64, a brute-force AUROC) or against an uninterrupted run (same process,
 CPU, same thread count: exact).
 """
+
 import copy
 import dataclasses
 import math
@@ -16,25 +17,30 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from signal_on_call import signal_on_call
 from torch import nn
 
-import mcd_helpers.train as train_mod
-from mcd_helpers.config import MCDConfig
+import mcd_helpers.experiments.loop as train_mod
+from mcd_helpers.data import LABELED, UNLABELED, Batches
 from mcd_helpers.errors import ConfigError, TrainingInterrupted
-from mcd_helpers.models import TwoHeadNet, small_cnn
+from mcd_helpers.experiments.config import MCDConfig
+from mcd_helpers.experiments.loop import train
+from mcd_helpers.models import TwoHeadNet, predict_logits, small_cnn
 from mcd_helpers.splits import transductive_split
-from mcd_helpers.train import LABELED, UNLABELED, Batches, predict_logits, train
-from signal_on_call import signal_on_call
 
 
 def _perm(n: int, seed: int, stream: int, p: int) -> torch.Tensor:
-    """Pass ``p`` of a stream, written out: SeedSequence([seed, stream, p]) -> 63-bit seed -> randperm."""
-    state = int(np.random.SeedSequence([seed, stream, p]).generate_state(1, dtype=np.uint64)[0]) >> 1
+    """Pass ``p`` of a stream, written out: SeedSequence([seed, stream, p]) -> 63-bit seed ->
+    randperm."""
+    state = (
+        int(np.random.SeedSequence([seed, stream, p]).generate_state(1, dtype=np.uint64)[0]) >> 1
+    )
     return torch.randperm(n, generator=torch.Generator().manual_seed(state))
 
 
 def _split(dtype=torch.float32):
-    """48 labeled images of 3 classes (mean brightness = class), 30 ID + 30 OOD test images, 10 + 10 validation."""
+    """48 labeled images of 3 classes (mean brightness = class), 30 ID + 30 OOD test images, 10 + 10
+    validation."""
     g = torch.Generator().manual_seed(0)
     y = torch.arange(48) % 3
     x = torch.randn(48, 1, 8, 8, generator=g) + y.view(-1, 1, 1, 1)
@@ -47,9 +53,21 @@ def _split(dtype=torch.float32):
 
 
 def _cfg(**overrides) -> MCDConfig:
-    base = dict(seed=0, finetune_epochs=2, steps_per_epoch=4, batch_size_sup=8, batch_size_unsup=8, finetune_lr=0.05,
-                margin=0.5, eval_batch_size=64, checkpoint_every=3, pretrain_epochs=2, pretrain_batch_size=16,
-                pretrain_milestones=(1,), pretrain_lr=0.05)
+    base = dict(
+        seed=0,
+        finetune_epochs=2,
+        steps_per_epoch=4,
+        batch_size_sup=8,
+        batch_size_unsup=8,
+        finetune_lr=0.05,
+        margin=0.5,
+        eval_batch_size=64,
+        checkpoint_every=3,
+        pretrain_epochs=2,
+        pretrain_batch_size=16,
+        pretrain_milestones=(1,),
+        pretrain_lr=0.05,
+    )
     return MCDConfig(**{**base, **overrides})
 
 
@@ -64,7 +82,8 @@ def _same_state(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-# ---- Batches ----------------------------------------------------------------------------------------
+# ---- Batches -------------------------------------------------------------------------------------
+
 
 def test_each_pass_is_a_permutation_dealt_into_batches_the_rest_dropped():
     b = Batches(20, 6, seed=0, stream=0)
@@ -72,7 +91,8 @@ def test_each_pass_is_a_permutation_dealt_into_batches_the_rest_dropped():
     for p in (0, 1):
         seen = torch.cat([b.batch(p, i) for i in range(3)])
         assert sorted(b.permutation(p).tolist()) == list(range(20))
-        assert torch.equal(seen, b.permutation(p)[:18])  # 3 batches of 6, the last 2 samples dropped
+        # 3 batches of 6, the last 2 samples dropped
+        assert torch.equal(seen, b.permutation(p)[:18])
     assert not torch.equal(b.permutation(0), b.permutation(1))
 
 
@@ -83,7 +103,8 @@ def test_a_pass_is_randperm_from_the_seed_sequence_of_seed_stream_and_pass(seed,
     want = _perm(30, seed, stream, 3)
     assert torch.equal(b.permutation(3), want)
     assert torch.equal(b.batch(3, 1), want[4:8])
-    assert torch.equal(b.batch_at(7 * 3 + 1), want[4:8])  # 7 batches per pass: batch 22 is pass 3, batch 1
+    # 7 batches per pass: batch 22 is pass 3, batch 1
+    assert torch.equal(b.batch_at(7 * 3 + 1), want[4:8])
     assert not torch.equal(want, _perm(30, seed, stream + 1, 3))
 
 
@@ -96,15 +117,25 @@ def test_the_ranks_shares_are_disjoint_and_make_up_the_single_process_batch(n, b
         union = torch.cat(shares).tolist()
         assert all(len(s) == b // w for s in shares) and len(set(union)) == b
         assert sorted(union) == sorted(one.batch_at(k).tolist())
-        assert torch.equal(shares[-1], one.batch_at(k)[w - 1::w])
+        assert torch.equal(shares[-1], one.batch_at(k)[w - 1 :: w])
 
 
-@pytest.mark.parametrize("kwargs, err, match", [
-    (dict(n=5, batch_size=8), ValueError, r"batch_size must be between 1 and the data set's size 5, got 8"),
-    (dict(n=5, batch_size=0), ValueError, r"between 1 and the data set's size 5, got 0"),
-    (dict(n=50, batch_size=10, world_size=4), ValueError,
-     r"the global batch size 10 must be a multiple of --nproc_per_node=4\."),
-])
+@pytest.mark.parametrize(
+    "kwargs, err, match",
+    [
+        (
+            dict(n=5, batch_size=8),
+            ValueError,
+            r"batch_size must be between 1 and the data set's size 5, got 8",
+        ),
+        (dict(n=5, batch_size=0), ValueError, r"between 1 and the data set's size 5, got 0"),
+        (
+            dict(n=50, batch_size=10, world_size=4),
+            ValueError,
+            r"the global batch size 10 must be a multiple of --nproc_per_node=4\.",
+        ),
+    ],
+)
 def test_batches_refuse_bad_sizes(kwargs, err, match):
     with pytest.raises(err, match=match):
         Batches(seed=0, stream=0, **kwargs)
@@ -115,7 +146,8 @@ def test_a_batch_beyond_the_pass_is_refused():
         Batches(10, 5, seed=0, stream=0).batch(0, 2)
 
 
-# ---- predict_logits ---------------------------------------------------------------------------------
+# ---- predict_logits ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("training", [True, False])
 def test_predict_logits_is_the_eval_mode_forward_in_batches_and_restores_the_mode(training):
@@ -131,17 +163,20 @@ def test_predict_logits_is_the_eval_mode_forward_in_batches_and_restores_the_mod
     torch.testing.assert_close(l2, w2, rtol=1e-6, atol=1e-6)
 
 
-# ---- one official iteration written out -------------------------------------------------------------
+# ---- one official iteration written out ----------------------------------------------------------
+
 
 def _entropy(logits):
     return -(F.softmax(logits, 1) * F.log_softmax(logits, 1)).sum(1)
 
 
 def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
-    """One fine-tuning iteration, float64: Step A (official schedule) then Step B, each followed by an SGD
-    step ``v = momentum v + (g + wd p); p -= lr v`` written out, the momentum shared by the two steps."""
+    """One fine-tuning iteration, float64: Step A (official schedule) then Step B, each followed by
+    an SGD step ``v = momentum v + (g + wd p); p -= lr v`` written out, the momentum shared by the
+    two steps."""
     net = copy.deepcopy(model).train()
-    if strategy.startswith("frozen-bn"):  # BatchNorm normalises with its running statistics and keeps them
+    # BatchNorm normalises with its running statistics and keeps them
+    if strategy.startswith("frozen-bn"):
         for m in net.modules():
             m.train(not isinstance(m, nn.BatchNorm2d))
     params, bufs, parts = list(net.parameters()), {}, {}
@@ -155,8 +190,11 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
                 p -= cfg.finetune_lr * bufs[p]
 
     if cfg.schedule == "official":
-        feat = net.G(torch.cat([xs, xu]))[:len(xs)] if strategy == "concat-both" else net.G(xs)  # labeled rows' features
-        loss_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach() if detach_f2 else feat), ys)
+        # labeled rows' features
+        feat = net.G(torch.cat([xs, xu]))[: len(xs)] if strategy == "concat-both" else net.G(xs)
+        loss_a = F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(
+            net.F2(feat.detach() if detach_f2 else feat), ys
+        )
         parts["step_a"] = loss_a.item()
         sgd(loss_a)
     if strategy in ("concat", "concat-both", "frozen-bn-concat"):
@@ -172,80 +210,124 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
     return net, parts
 
 
-@pytest.mark.parametrize("strategy, schedule", [("separate", "official"), ("concat", "official"), ("separate", "step_b"),
-                                                ("concat-both", "official"), ("frozen-bn", "official"),
-                                                ("frozen-bn-concat", "official")])
+@pytest.mark.parametrize(
+    "strategy, schedule",
+    [
+        ("separate", "official"),
+        ("concat", "official"),
+        ("separate", "step_b"),
+        ("concat-both", "official"),
+        ("frozen-bn", "official"),
+        ("frozen-bn-concat", "official"),
+    ],
+)
 def test_one_iteration_written_out_in_float64_equals_train(strategy, schedule):
     split = _split(torch.float64)
     model = _model().double()
     cfg = _cfg(finetune_epochs=1, steps_per_epoch=1, schedule=schedule, finetune_weight_decay=0.01)
-    i_sup, i_unsup = _perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8]  # pass 0, batch 0 of each stream
+    # pass 0, batch 0 of each stream
+    i_sup, i_unsup = (_perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8])
     xs, ys, xu = split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup]
     want, parts = _by_hand(model, xs, ys, xu, cfg, strategy)
     got = copy.deepcopy(model)
     out = train(got, split, cfg, strategy, progress=False)
     for (k, a), b in zip(want.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=k)  # weights and BatchNorm buffers
-    moved = max((a - b).abs().max().item() for a, b in zip(want.state_dict().values(), model.state_dict().values())
-                if a.is_floating_point())
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(want.state_dict().values(), model.state_dict().values())
+        if a.is_floating_point()
+    )
     assert moved > 1e-3  # not vacuous: the iteration changed the network
     h = out["history"]
     for name, value in parts.items():  # the history holds float32 copies of the losses
         assert getattr(h, name) == [pytest.approx(value, rel=1e-6, abs=1e-7)], name
     if schedule == "step_b":
         assert h.step_a == []
-    if schedule == "official" and strategy == "separate":  # F2 on features that are not detached: other weights
+    # F2 on features that are not detached: other weights
+    if schedule == "official" and strategy == "separate":
         other, _ = _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=False)
-        assert max((a - b).abs().max().item() for a, b in zip(other.parameters(), got.parameters())) > 1e-6
+        assert (
+            max((a - b).abs().max().item() for a, b in zip(other.parameters(), got.parameters()))
+            > 1e-6
+        )
 
 
 def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_separate_equal():
     split, cfg = _split(torch.float64), _cfg(finetune_epochs=1, steps_per_epoch=3)
-    nets = {s: copy.deepcopy(_model().double()) for s in ("concat", "concat-both", "frozen-bn", "frozen-bn-concat")}
+    nets = {
+        s: copy.deepcopy(_model().double())
+        for s in ("concat", "concat-both", "frozen-bn", "frozen-bn-concat")
+    }
     for s, net in nets.items():
         train(net, split, cfg, s, progress=False)
-    gap = lambda a, b: max((x - y).abs().max().item() for x, y in zip(nets[a].state_dict().values(),  # noqa: E731
-                                                                       nets[b].state_dict().values()) if x.is_floating_point())
+    gap = lambda a, b: max(
+        (x - y).abs().max().item()
+        for x, y in zip(
+            nets[a].state_dict().values(),  # noqa: E731
+            nets[b].state_dict().values(),
+        )
+        if x.is_floating_point()
+    )
     assert gap("concat", "concat-both") > 1e-4  # Step A's statistics changed the weights
-    assert gap("frozen-bn", "frozen-bn-concat") < 1e-12  # no coupling: the same network to float64 rounding
+    # no coupling: the same network to float64 rounding
+    assert gap("frozen-bn", "frozen-bn-concat") < 1e-12
     assert gap("frozen-bn", "concat") > 1e-4
     bns = lambda net: [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]  # noqa: E731
-    assert bns(nets["concat"]) and all(torch.equal(a.running_mean, b.running_mean)  # frozen: the statistics kept
-                                       for a, b in zip(bns(_model().double()), bns(nets["frozen-bn"])))
+    assert bns(nets["concat"]) and all(
+        torch.equal(a.running_mean, b.running_mean)  # frozen: the statistics kept
+        for a, b in zip(bns(_model().double()), bns(nets["frozen-bn"]))
+    )
 
 
 @pytest.mark.parametrize("momentum", [0.0, 1.0])
 def test_bn_momentum_changes_the_running_statistics_and_not_the_weights(momentum):
-    """One iteration at bn_momentum 0 or 1 equals the one written out with nn.BatchNorm2d(momentum=...); the weights
-    equal those at the default 0.1 (train mode normalises with the batch's statistics); momentum 0 keeps the
-    pre-trained running statistics, 1 replaces them."""
+    """One iteration at bn_momentum 0 or 1 equals the one written out with
+    nn.BatchNorm2d(momentum=...); the weights equal those at the default 0.1 (train mode normalises
+    with the batch's statistics); momentum 0 keeps the pre-trained running statistics, 1 replaces
+    them."""
     split, model = _split(torch.float64), _model().double()
-    cfg, default = _cfg(finetune_epochs=1, steps_per_epoch=1, bn_momentum=momentum), _cfg(finetune_epochs=1, steps_per_epoch=1)
+    cfg, default = (
+        _cfg(finetune_epochs=1, steps_per_epoch=1, bn_momentum=momentum),
+        _cfg(finetune_epochs=1, steps_per_epoch=1),
+    )
     ref = copy.deepcopy(model)
     for m in ref.modules():
         if isinstance(m, nn.BatchNorm2d):
             m.momentum = momentum
     i_sup, i_unsup = _perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8]
-    want, _ = _by_hand(ref, split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup], cfg, "separate")
+    want, _ = _by_hand(
+        ref, split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup], cfg, "separate"
+    )
     got, usual = copy.deepcopy(model), copy.deepcopy(model)
     train(got, split, cfg, "separate", progress=False)
     train(usual, split, default, "separate", progress=False)
     for (k, a), b in zip(want.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=k)
-    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), usual.parameters()))  # the same weights
+    # the same weights
+    assert all(torch.equal(a, b) for a, b in zip(got.parameters(), usual.parameters()))
     stats = lambda net: [m.running_mean for m in net.modules() if isinstance(m, nn.BatchNorm2d)]  # noqa: E731
     before, after, at_default = stats(model), stats(got), stats(usual)
     assert all(torch.equal(a, b) for a, b in zip(before, after)) == (momentum == 0)
     assert min((a - b).abs().max().item() for a, b in zip(after, at_default)) > 1e-6
 
 
-# ---- learning rate, history, model selection -------------------------------------------------------
+# ---- learning rate, history, model selection -----------------------------------------------------
 
-@pytest.mark.parametrize("strategy, milestones, factors", [
-    (None, (), [1, 1, 1]), (None, (1,), [1, 0.1, 0.1]), (None, (1, 2), [1, 0.1, 0.01]),
-    ("separate", (1, 2), [1, 1, 1]),  # fine-tuning: a constant lr, whatever the pre-training milestones
-])
-def test_pretraining_decays_the_lr_at_its_milestones_and_fine_tuning_keeps_it(monkeypatch, strategy, milestones, factors):
+
+@pytest.mark.parametrize(
+    "strategy, milestones, factors",
+    [
+        (None, (), [1, 1, 1]),
+        (None, (1,), [1, 0.1, 0.1]),
+        (None, (1, 2), [1, 0.1, 0.01]),
+        # fine-tuning: a constant lr, whatever the pre-training milestones
+        ("separate", (1, 2), [1, 1, 1]),
+    ],
+)
+def test_pretraining_decays_the_lr_at_its_milestones_and_fine_tuning_keeps_it(
+    monkeypatch, strategy, milestones, factors
+):
     lrs, real = [], torch.optim.SGD.step
 
     def spy(self, *args, **kwargs):
@@ -253,25 +335,48 @@ def test_pretraining_decays_the_lr_at_its_milestones_and_fine_tuning_keeps_it(mo
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.SGD, "step", spy)
-    cfg = _cfg(pretrain_epochs=3, finetune_epochs=3, steps_per_epoch=2, pretrain_milestones=milestones, schedule="step_b")
+    cfg = _cfg(
+        pretrain_epochs=3,
+        finetune_epochs=3,
+        steps_per_epoch=2,
+        pretrain_milestones=milestones,
+        schedule="step_b",
+    )
     train(_model(), _split(), cfg, strategy, progress=False)
-    lr, steps = (cfg.pretrain_lr, 3) if strategy is None else (cfg.finetune_lr, 2)  # 48 // 16 = 3 pre-training steps
+    # 48 // 16 = 3 pre-training steps
+    lr, steps = (cfg.pretrain_lr, 3) if strategy is None else (cfg.finetune_lr, 2)
     assert lrs == pytest.approx([lr * f for f in factors for _ in range(steps)], rel=1e-12)
 
 
-@pytest.mark.parametrize("strategy, schedule, steps_per_epoch, steps", [
-    (None, "official", 2, 3),  # pre-training: always a whole pass (48 // 16), CE only
-    ("concat", "official", 2, 2), ("separate", "step_b", 0, 6),  # 0: one pass over the labeled set (48 // 8)
-    ("separate", "official", 99, 6),  # a cap above the pass: the pass
-])
-def test_the_history_has_a_value_per_step_and_an_auroc_per_epoch(strategy, schedule, steps_per_epoch, steps):
-    cfg = _cfg(finetune_epochs=3, pretrain_epochs=3, steps_per_epoch=steps_per_epoch, schedule=schedule)
+@pytest.mark.parametrize(
+    "strategy, schedule, steps_per_epoch, steps",
+    [
+        (None, "official", 2, 3),  # pre-training: always a whole pass (48 // 16), CE only
+        ("concat", "official", 2, 2),
+        ("separate", "step_b", 0, 6),  # 0: one pass over the labeled set (48 // 8)
+        ("separate", "official", 99, 6),  # a cap above the pass: the pass
+    ],
+)
+def test_the_history_has_a_value_per_step_and_an_auroc_per_epoch(
+    strategy, schedule, steps_per_epoch, steps
+):
+    cfg = _cfg(
+        finetune_epochs=3, pretrain_epochs=3, steps_per_epoch=steps_per_epoch, schedule=schedule
+    )
     seen = []
-    h = train(_model(), _split(), cfg, strategy, progress=False,
-              on_epoch=lambda e, hist: seen.append((e, len(hist.ce), len(hist.val_auroc))))["history"]
+    h = train(
+        _model(),
+        _split(),
+        cfg,
+        strategy,
+        progress=False,
+        on_epoch=lambda e, hist: seen.append((e, len(hist.ce), len(hist.val_auroc))),
+    )["history"]
     fine = strategy is not None
     assert len(h.ce) == 3 * steps
-    assert [len(v) for v in (h.dis, h.gap, h.val_auroc)] == ([3 * steps, 3 * steps, 3] if fine else [0, 0, 0])
+    assert [len(v) for v in (h.dis, h.gap, h.val_auroc)] == (
+        [3 * steps, 3 * steps, 3] if fine else [0, 0, 0]
+    )
     assert len(h.step_a) == (3 * steps if fine and schedule == "official" else 0)
     assert seen == ([(e, steps * (e + 1), e + 1) for e in range(3)] if fine else [])
 
@@ -290,9 +395,12 @@ def _discrepancy(model, x):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_each_epochs_auroc_is_the_validation_discrepancy_auroc_and_best_is_its_first_best_epoch(tied):
+def test_each_epochs_auroc_is_the_validation_discrepancy_auroc_and_best_is_its_first_best_epoch(
+    tied,
+):
     split, snapshots, aurocs = _split(), [], []
-    if tied:  # the same images as ID and OOD: every epoch's AUROC is 1/2, and the first epoch is kept
+    # the same images as ID and OOD: every epoch's AUROC is 1/2, and the first epoch is kept
+    if tied:
         split = dataclasses.replace(split, val_ood_x=split.val_id_x)
     model = _model()
 
@@ -301,7 +409,14 @@ def test_each_epochs_auroc_is_the_validation_discrepancy_auroc_and_best_is_its_f
         snapshots.append(copy.deepcopy(model.state_dict()))
         aurocs.append(_auroc(_discrepancy(net, split.val_id_x), _discrepancy(net, split.val_ood_x)))
 
-    out = train(model, split, _cfg(finetune_epochs=4, steps_per_epoch=2), "concat", progress=False, on_epoch=on_epoch)
+    out = train(
+        model,
+        split,
+        _cfg(finetune_epochs=4, steps_per_epoch=2),
+        "concat",
+        progress=False,
+        on_epoch=on_epoch,
+    )
     assert out["history"].val_auroc == pytest.approx(aurocs, abs=1e-12)
     first_best = max(range(4), key=lambda i: (aurocs[i], -i))
     if tied:
@@ -311,10 +426,13 @@ def test_each_epochs_auroc_is_the_validation_discrepancy_auroc_and_best_is_its_f
     _same_state(model.state_dict(), snapshots[-1])  # the model holds the last epoch's weights
 
 
-# ---- non-finite losses ------------------------------------------------------------------------------
+# ---- non-finite losses ---------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_a_non_finite_pretraining_loss_names_the_step_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, bad):
+def test_a_non_finite_pretraining_loss_names_the_step_and_keeps_the_last_good_checkpoint(
+    tmp_path, monkeypatch, bad
+):
     real, calls = train_mod.supervised_loss, [0]
 
     def poisoned(*args):  # from its 4th call on (epoch 2, step 1) the loss is NaN or inf
@@ -323,12 +441,20 @@ def test_a_non_finite_pretraining_loss_names_the_step_and_keeps_the_last_good_ch
 
     monkeypatch.setattr(train_mod, "supervised_loss", poisoned)
     ckpt = tmp_path / "pretrain.pt"
-    with pytest.raises(FloatingPointError, match=rf"non-finite loss in pre-training, epoch 2 step 1: ce={bad}\. The last "
-                                                 rf"good checkpoint is kept in {re.escape(str(tmp_path))}"):
-        train(_model(), _split(), _cfg(checkpoint_every=2), progress=False, checkpoint=ckpt)  # 3 steps an epoch
+    with pytest.raises(
+        FloatingPointError,
+        match=rf"non-finite loss in pre-training, epoch 2 step 1: ce={bad}\. The last "
+        rf"good checkpoint is kept in {re.escape(str(tmp_path))}",
+    ):
+        # 3 steps an epoch
+        train(_model(), _split(), _cfg(checkpoint_every=2), progress=False, checkpoint=ckpt)
     state = torch.load(ckpt, weights_only=True)
-    assert (state["epoch"], state["step"], len(state["history"]["ce"])) == (1, 0, 3)  # epoch 1's end, not step 4's
-    assert all(torch.isfinite(v).all() for v in state["model"].values()) and np.isfinite(state["history"]["ce"]).all()
+    # epoch 1's end, not step 4's
+    assert (state["epoch"], state["step"], len(state["history"]["ce"])) == (1, 0, 3)
+    assert (
+        all(torch.isfinite(v).all() for v in state["model"].values())
+        and np.isfinite(state["history"]["ce"]).all()
+    )
 
 
 class _NaNAfter(nn.Module):
@@ -344,29 +470,66 @@ class _NaNAfter(nn.Module):
 
 
 def test_a_non_finite_fine_tuning_loss_names_every_part(tmp_path):
-    # Step B alone, concat: one call of G per step; after epoch 1 (calls 1-4) the validation calls it twice
-    # (5, 6), so call 9 is epoch 2's step 3. The check runs at the next checkpoint (epoch 2's end), before saving.
+    # Step B alone, concat: one call of G per step; after epoch 1 (calls 1-4) the validation calls
+    # it twice (5, 6), so call 9 is epoch 2's step 3. The check runs at the next checkpoint (epoch
+    # 2's end), before saving.
     torch.manual_seed(0)
     ckpt = tmp_path / "mcd.pt"
-    with pytest.raises(FloatingPointError, match=r"fine-tuning \(concat\), epoch 2 step 3: ce=nan, dis=nan, gap=nan\. "
-                                                 r"The last good checkpoint is kept"):
-        train(TwoHeadNet(_NaNAfter(k=8), 16, 3, 1), _split(), _cfg(schedule="step_b"), "concat", progress=False,
-              checkpoint=ckpt)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"fine-tuning \(concat\), epoch 2 step 3: ce=nan, dis=nan, gap=nan\. "
+        r"The last good checkpoint is kept",
+    ):
+        train(
+            TwoHeadNet(_NaNAfter(k=8), 16, 3, 1),
+            _split(),
+            _cfg(schedule="step_b"),
+            "concat",
+            progress=False,
+            checkpoint=ckpt,
+        )
     state = torch.load(ckpt, weights_only=True)
     assert (state["epoch"], state["step"]) == (1, 2)  # saved after global step 6, the last good one
     assert np.isfinite([v for k in ("ce", "dis", "gap") for v in state["history"][k]]).all()
 
 
-# ---- interruption and exact resume ------------------------------------------------------------------
+# ---- interruption and exact resume ---------------------------------------------------------------
 
-@pytest.mark.parametrize("strategy, name, k, sig, match, where", [
-    (None, "supervised_loss", 5, signal.SIGTERM, r"SIGTERM in pre-training 2/2 step 2/3", (1, 2)),
-    ("separate", "step_b_loss", 6, signal.SIGINT, r"SIGINT in fine-tuning \(separate\) 2/2 step 2/4", (1, 2)),
-    ("concat", "predict_logits", 1, signal.SIGTERM, r"SIGTERM at the end of fine-tuning \(concat\) 1/2", (1, 0)),
-])
-def test_an_interrupted_run_resumed_equals_an_uninterrupted_one(tmp_path, monkeypatch, strategy, name, k, sig, match, where):
-    # Dropout makes the run depend on the torch RNG, which the checkpoint must restore; momentum and the
-    # pre-training lr decay at epoch 1 depend on the optimizer's and the scheduler's state.
+
+@pytest.mark.parametrize(
+    "strategy, name, k, sig, match, where",
+    [
+        (
+            None,
+            "supervised_loss",
+            5,
+            signal.SIGTERM,
+            r"SIGTERM in pre-training 2/2 step 2/3",
+            (1, 2),
+        ),
+        (
+            "separate",
+            "mcd_step",
+            6,
+            signal.SIGINT,
+            r"SIGINT in fine-tuning \(separate\) 2/2 step 2/4",
+            (1, 2),
+        ),
+        (
+            "concat",
+            "predict_logits",
+            1,
+            signal.SIGTERM,
+            r"SIGTERM at the end of fine-tuning \(concat\) 1/2",
+            (1, 0),
+        ),
+    ],
+)
+def test_an_interrupted_run_resumed_equals_an_uninterrupted_one(
+    tmp_path, monkeypatch, strategy, name, k, sig, match, where
+):
+    # Dropout makes the run depend on the torch RNG, which the checkpoint must restore; momentum and
+    # the pre-training lr decay at epoch 1 depend on the optimizer's and the scheduler's state.
     split, cfg = _split(), _cfg()
     full = _model(dropout=0.3)
     torch.manual_seed(7)
@@ -383,20 +546,32 @@ def test_an_interrupted_run_resumed_equals_an_uninterrupted_one(tmp_path, monkey
     assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)] == handlers  # put back
     state = torch.load(ckpt, weights_only=True)  # a plain file: no pickled objects
     steps = 3 if strategy is None else 4
-    assert (state["epoch"], state["step"]) == where and len(state["history"]["ce"]) == where[0] * steps + where[1]
-    torch.manual_seed(12345)  # another RNG state and other initial weights: all must come from the checkpoint
+    assert (state["epoch"], state["step"]) == where and len(state["history"]["ce"]) == where[
+        0
+    ] * steps + where[1]
+    # another RNG state and other initial weights: all must come from the checkpoint
+    torch.manual_seed(12345)
     resumed = _model(seed=99, dropout=0.3)
-    got = train(resumed, split, cfg, strategy, checkpoint=ckpt, resume=True, key="k", progress=False)
+    got = train(
+        resumed, split, cfg, strategy, checkpoint=ckpt, resume=True, key="k", progress=False
+    )
     assert got["history"] == want["history"]  # every per-step loss and validation AUROC
     _same_state(resumed.state_dict(), full.state_dict())
     if strategy is not None:
         _same_state(got["best"], want["best"])
 
 
-@pytest.mark.parametrize("key, strategy, match", [
-    ("other", "concat", r"not 'fine-tuning \(concat\)' with other: the settings changed"),
-    ("k", "separate", r"belongs to 'fine-tuning \(concat\)' with settings k, not 'fine-tuning \(separate\)'"),
-])
+@pytest.mark.parametrize(
+    "key, strategy, match",
+    [
+        ("other", "concat", r"not 'fine-tuning \(concat\)' with other: the settings changed"),
+        (
+            "k",
+            "separate",
+            r"belongs to 'fine-tuning \(concat\)' with settings k, not 'fine-tuning \(separate\)'",
+        ),
+    ],
+)
 def test_resuming_with_other_settings_is_refused(tmp_path, key, strategy, match):
     ckpt, split, cfg = tmp_path / "stage.pt", _split(), _cfg(finetune_epochs=1, steps_per_epoch=1)
     train(_model(), split, cfg, "concat", checkpoint=ckpt, key="k", progress=False)
@@ -414,8 +589,16 @@ def test_three_sgd_optimizers_as_the_official_solver_equal_trains_one():
     i_sup, i_unsup = _perm(48, 0, LABELED, 0)[:8], _perm(40, 0, UNLABELED, 0)[:8]
     xs, ys, xu = split.x_sup[i_sup], split.y_sup[i_sup], split.x_unsup[i_unsup]
     net = copy.deepcopy(model).train()
-    opts = [torch.optim.SGD(m.parameters(), lr=cfg.finetune_lr, momentum=cfg.finetune_momentum,
-                            weight_decay=cfg.finetune_weight_decay) for m in (net.G, net.F1, net.F2)]
+    opts = [
+        torch.optim.SGD(
+            m.parameters(),
+            lr=cfg.finetune_lr,
+            momentum=cfg.finetune_momentum,
+            weight_decay=cfg.finetune_weight_decay,
+        )
+        for m in (net.G, net.F1, net.F2)
+    ]
+
     def step(loss):
         for o in opts:
             o.zero_grad()
@@ -426,10 +609,15 @@ def test_three_sgd_optimizers_as_the_official_solver_equal_trains_one():
     feat = net.G(xs)
     step(F.cross_entropy(net.F1(feat), ys) + F.cross_entropy(net.F2(feat.detach()), ys))  # Step A
     (l1s, l2s), (l1u, l2u) = net(xs), net(xu)  # Step B, separate forwards
-    step(F.cross_entropy(l1s, ys) + F.cross_entropy(l2s, ys)
-         + torch.clamp(cfg.margin - (_entropy(l1u) - _entropy(l2u)).mean(), min=0))
+    step(
+        F.cross_entropy(l1s, ys)
+        + F.cross_entropy(l2s, ys)
+        + torch.clamp(cfg.margin - (_entropy(l1u) - _entropy(l2u)).mean(), min=0)
+    )
     got = copy.deepcopy(model)
     train(got, split, cfg, "separate", progress=False)  # one optimizer over every parameter
     for (k, a), b in zip(net.state_dict().items(), got.state_dict().values()):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=k)
-    assert max((a - b).abs().max().item() for a, b in zip(net.parameters(), model.parameters())) > 1e-3
+    assert (
+        max((a - b).abs().max().item() for a, b in zip(net.parameters(), model.parameters())) > 1e-3
+    )

@@ -1,0 +1,331 @@
+"""Statistics over seeds: Student-t confidence intervals and paired differences, through
+``scipy.stats``.
+
+Rows are result dicts as in the benchmark's ``results.json``: grouping keys (``task``,
+``class_split``, ``protocol``, ``selection``, ``method``, ``strategy``, ...), a ``seed`` and metrics
+as fractions in [0, 1], which stay fractions here. For n values with mean m and sample standard
+deviation s, the interval is ``m ± t_{(1+c)/2, n-1} s / sqrt(n)`` (``scipy.stats.t.interval``); the
+paired test of d = a - b is the two-sided paired t-test (``scipy.stats.ttest_rel``). The two agree:
+p < 1 - c exactly when the interval excludes 0 (NIST/SEMATECH e-Handbook of Statistical Methods,
+7.2.2 and 7.3.1).
+"""
+
+import math
+from typing import Sequence
+
+import numpy as np
+from scipy import stats
+from statsmodels.stats.multitest import multipletests
+from statsmodels.stats.weightstats import ttost_paired
+
+GROUP_KEYS = ("task", "class_split", "protocol", "selection", "method")
+EQUIVALENCE = 0.01  # TOST margin of endpoint_tests, in the metric's units: 1 pp
+
+
+def mean_ci(values: Sequence[float], confidence: float = 0.95, where: str = "") -> dict:
+    """Mean of ``values`` ``(n,)`` with its Student-t interval:
+    ``{"mean", "low", "high", "half_width", "n"}``.
+
+    Raises:
+        ValueError: fewer than 2 values, a NaN or inf (its index named), a confidence outside (0,
+            1); the message starts with ``where`` (the group) when given.
+    """
+    at = f"{where}: " if where else ""
+    if not 0 < confidence < 1:
+        hint = f" (did you mean {confidence / 100}?)" if 1 < confidence < 100 else ""
+        raise ValueError(f"{at}confidence must be a fraction in (0, 1), got {confidence}{hint}.")
+    x = np.asarray(values, dtype=np.float64).ravel()
+    if x.size < 2:
+        raise ValueError(
+            f"{at}a confidence interval needs at least 2 values (seeds), got {x.size}; run "
+            "more seeds."
+        )
+    if (bad := np.flatnonzero(~np.isfinite(x))).size:
+        raise ValueError(
+            f"{at}values hold {bad.size} NaN or inf value(s), first at index {bad[0]}: a "
+            "failed run upstream."
+        )
+    m, half = (
+        float(x.mean()),
+        float(stats.t.ppf((1 + confidence) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size)),
+    )
+    return {"mean": m, "low": m - half, "high": m + half, "half_width": half, "n": int(x.size)}
+
+
+def _groups(rows: Sequence[dict], keys: Sequence[str], metric: str) -> dict[tuple, list[tuple]]:
+    """``{key values: [(row's strategy, seed, metric value), ...]}``; ValueError naming a row
+    without a field."""
+    out: dict[tuple, list[tuple]] = {}
+    for i, row in enumerate(rows):
+        missing = [k for k in (*keys, "strategy", "seed") if k not in row] + (
+            [metric] if row.get(metric) is None else []
+        )
+        if missing:
+            raise ValueError(f"row {i} has no field(s) {missing}; its fields are {sorted(row)}.")
+        out.setdefault(tuple(row[k] for k in keys), []).append(
+            (row["strategy"], row["seed"], float(row[metric]))
+        )
+    return out
+
+
+def summarize(
+    rows: Sequence[dict],
+    metrics: Sequence[str] = ("auroc", "fpr95", "id_accuracy"),
+    keys: Sequence[str] = GROUP_KEYS + ("strategy",),
+    confidence: float = 0.95,
+) -> list[dict]:
+    """Per group of rows equal on ``keys`` (in order of first appearance): the keys, ``n`` and
+    ``{metric: mean_ci(values)}``. ValueError: a missing field, a group of one row or a NaN (named).
+    """
+    groups = {}
+    for metric in metrics:
+        for key, members in _groups(rows, keys, metric).items():
+            groups.setdefault(key, {**dict(zip(keys, key)), "n": len(members)})[metric] = mean_ci(
+                [v for _, _, v in members], confidence, f"group {dict(zip(keys, key))}, {metric}"
+            )
+    return list(groups.values())
+
+
+def paired_differences(
+    rows: Sequence[dict],
+    a: str = "concat",
+    b: str = "separate",
+    metric: str = "auroc",
+    keys: Sequence[str] = GROUP_KEYS,
+    confidence: float = 0.95,
+) -> list[dict]:
+    """Paired differences ``a - b`` of two strategies per group of ``keys``, matched by seed.
+
+    Returns:
+        per group where both strategies ran: the keys, ``metric``, ``a``, ``b``, ``seeds`` and
+        ``diffs`` (by seed), the :func:`mean_ci` of the differences and ``p_value`` of the paired
+        t-test (NaN when every difference is equal).
+
+    Raises:
+        ValueError: a missing field, a seed twice or for one strategy only (named), fewer than 2
+        pairs.
+    """
+    out = []
+    for key, members in _groups(
+        [r for r in rows if r.get("strategy") in (a, b)], keys, metric
+    ).items():
+        by = {a: {}, b: {}}
+        for strategy, seed, value in members:
+            if seed in by[strategy]:
+                raise ValueError(
+                    f"seed {seed} appears twice for strategy {strategy!r} in group "
+                    f"{dict(zip(keys, key))}."
+                )
+            by[strategy][seed] = value
+        if not by[a] or not by[b]:
+            continue  # only one of the two ran in this group: nothing to pair
+        if set(by[a]) != set(by[b]):
+            raise ValueError(
+                f"unmatched seeds in group {dict(zip(keys, key))}: "
+                f"{sorted(set(by[a]) ^ set(by[b]))} only "
+                "for one strategy; pairs need the same seeds for both."
+            )
+        seeds = sorted(by[a])
+        xa, xb = np.array([by[a][s] for s in seeds]), np.array([by[b][s] for s in seeds])
+        ci = mean_ci(xa - xb, confidence, f"group {dict(zip(keys, key))}")
+        p = (
+            float("nan")
+            if np.all(xa - xb == (xa - xb)[0])
+            else float(stats.ttest_rel(xa, xb).pvalue)
+        )
+        out.append(
+            {
+                **dict(zip(keys, key)),
+                "metric": metric,
+                "a": a,
+                "b": b,
+                "seeds": seeds,
+                "diffs": (xa - xb).tolist(),
+                **ci,
+                "p_value": p,
+            }
+        )
+    return out
+
+
+def endpoint_tests(
+    rows: Sequence[dict],
+    endpoints: Sequence[Sequence[str]],
+    confidence: float = 0.95,
+    equivalence: float = EQUIVALENCE,
+) -> list[dict]:
+    """The pre-registered endpoints of a benchmark: for each ``(a, b, metric, eval_stats)`` the
+    paired differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``),
+    one group per :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role``
+    (``"primary"`` for the first endpoint, else ``"secondary"``), ``eval_stats``, ``sign_p`` (the
+    exact two-sided sign test over the non-zero differences, ``scipy.stats.binomtest``; NaN when all
+    are 0) and ``holm_p`` (the paired t p-value, or the sign test's where every difference is equal,
+    Holm-adjusted over the secondaries as one family, ``statsmodels``' ``multipletests`` (Holm 1979,
+    Scand. J. Statist. 6:65-70); the primary's unadjusted) and ``tost_p``: the two one-sided paired
+    t-tests (TOST, Schuirmann 1987, J. Pharmacokinet. Biopharm. 15:657) that the mean difference
+    lies within ``± equivalence`` (in the metric's units: 0.01 = 1 pp), ``statsmodels``'
+    ``ttost_paired``; p < 0.05 shows equivalence.
+
+    Raises:
+        ValueError: an endpoint with no pairs in ``rows`` (named), and as
+        :func:`paired_differences`.
+    """
+    out = []
+    for i, (a, b, metric, eval_stats) in enumerate(endpoints):
+        mine = [
+            r
+            for r in rows
+            if r.get("method") == "mcd"
+            and r.get("norm", "batch") == "batch"
+            and r.get("eval_stats", "running") == eval_stats
+        ]
+        found = paired_differences(mine, a, b, metric, GROUP_KEYS, confidence)
+        if not found:
+            raise ValueError(
+                f"endpoint {a} - {b} ({metric}, {eval_stats} statistics) has no paired rows."
+            )
+        for d in found:
+            nonzero = [x for x in d["diffs"] if x != 0]
+            sign = (
+                stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue
+                if nonzero
+                else float("nan")
+            )
+            # equal differences: t = ±inf, p 0 or 1
+            with np.errstate(divide="ignore", invalid="ignore"):
+                tost = ttost_paired(
+                    np.asarray(d["diffs"], float),
+                    np.zeros(len(d["diffs"])),
+                    -equivalence,
+                    equivalence,
+                )[0]
+            out.append(
+                {
+                    **d,
+                    "role": "secondary" if i else "primary",
+                    "eval_stats": eval_stats,
+                    "sign_p": float(sign),
+                    "tost_p": float(tost),
+                }
+            )
+    second = [d for d in out if d["role"] == "secondary"]
+    # a t-test p of NaN (every difference equal): the exact sign test's p instead (1 when they are
+    # all 0)
+    p = [
+        (1.0 if math.isnan(d["sign_p"]) else d["sign_p"])
+        if math.isnan(d["p_value"])
+        else d["p_value"]
+        for d in second
+    ]
+    for d, adjusted in zip(second, multipletests(p, method="holm")[1] if p else []):
+        d["holm_p"] = float(adjusted)
+    for d in out:
+        d.setdefault("holm_p", d["p_value"])
+    return out
+
+
+def split_effects(
+    rows: Sequence[dict],
+    a: str = "concat",
+    b: str = "separate",
+    metric: str = "auroc",
+    covariate: str = "msp",
+    confidence: float = 0.95,
+) -> dict:
+    """The effect ``a - b`` of MCD (BatchNorm network, running statistics) over class splits, with
+    the split as a random effect: ``d_ij = mu + u_i + e_ij`` for split i and seed j,
+    ``u_i ~ N(0, tau^2)``, ``e_ij ~ N(0, sigma^2)``, fitted by REML. With the same number n >= 2 of
+    seeds in every split (a benchmark runs every seed on every split) REML has a closed form, the
+    one-way ANOVA's: ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``, ``se(mu)^2 = MSB / (k n)`` when
+    MSB >= MSW, else ``tau^2 = 0`` and the pairs are i.i.d. (Searle, Casella & McCulloch 1992,
+    *Variance Components*, 3.6-3.7).
+
+    Returns:
+        ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau``
+        (the between-split SD), ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction
+        interval for a new split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson &
+        Spiegelhalter 2009, J. R. Stat. Soc. A 172:137), ``k`` splits, ``n`` pairs, ``splits`` (per
+        split: ``class_split``, ``mean`` difference, ``seeds``, ``covariate``: the mean ``metric``
+        of method ``covariate`` there, on the same task, protocol and selection; NaN where it did
+        not run) and ``slope``, ``slope_p``, ``r``: the split means regressed on the covariate
+        (``scipy.stats.linregress``, over the splits that have it; NaN with fewer than 3). All in
+        the metric's units (fractions).
+
+    Raises:
+        ValueError: fewer than 3 splits, a split with one seed (:func:`paired_differences`), splits
+            with different numbers of seeds, rows of more than one task, protocol or selection, and
+            as :func:`paired_differences`.
+    """
+    mcd = [
+        r
+        for r in rows
+        if r.get("method") == "mcd"
+        and r.get("norm", "batch") == "batch"
+        and r.get("eval_stats", "running") == "running"
+    ]
+    pairs = paired_differences(mcd, a, b, metric, GROUP_KEYS, confidence)
+    if len(where := {(d["task"], d["protocol"], d["selection"]) for d in pairs}) > 1:
+        raise ValueError(
+            "split_effects takes the rows of one task, protocol and selection; filter them first."
+        )
+    if (k := len(pairs)) < 3:
+        raise ValueError(
+            f"a random split effect needs at least 3 class splits with both {a!r} and "
+            f"{b!r}, got {k}."
+        )
+    sizes = {p["class_split"]: len(p["diffs"]) for p in pairs}
+    if len(set(sizes.values())) > 1:
+        raise ValueError(
+            "split_effects needs the same number of seeds in every class split, got "
+            f"{sizes}; run the same seeds on every split or leave the short splits out."
+        )
+    d, n = np.concatenate([p["diffs"] for p in pairs]), len(pairs[0]["diffs"])
+    m = d.reshape(k, n).mean(1)  # REML in closed form: (k,) split means
+    msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
+    mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
+    sigma2 = msw if msb >= msw else float(d.var(ddof=1))
+    se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
+    half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
+    pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
+    cov = {}
+    for r in rows:
+        if (
+            r.get("method") == covariate
+            and r.get("norm", "batch") == "batch"
+            and (r.get("task"), r.get("protocol"), r.get("selection")) in where
+        ):
+            cov.setdefault(r["class_split"], []).append(float(r[metric]))
+    splits = [
+        {
+            "class_split": p["class_split"],
+            "mean": float(np.mean(p["diffs"])),
+            "seeds": len(p["diffs"]),
+            "covariate": float(np.mean(cov[p["class_split"]]))
+            if p["class_split"] in cov
+            else float("nan"),
+        }
+        for p in pairs
+    ]
+    x, y = np.array([s["covariate"] for s in splits]), np.array([s["mean"] for s in splits])
+    x, y = x[np.isfinite(x)], y[np.isfinite(x)]
+    reg = stats.linregress(x, y) if x.size >= 3 and np.ptp(x) > 0 else None
+    return {
+        "a": a,
+        "b": b,
+        "metric": metric,
+        "mean": mu,
+        "low": mu - half,
+        "high": mu + half,
+        "se": se,
+        "tau": math.sqrt(tau2),
+        "sigma": math.sqrt(sigma2),
+        "pi_low": mu - pi,
+        "pi_high": mu + pi,
+        "k": k,
+        "n": int(d.size),
+        "splits": splits,
+        "covariate": covariate,
+        "slope": float(reg.slope) if reg else float("nan"),
+        "slope_p": float(reg.pvalue) if reg else float("nan"),
+        "r": float(reg.rvalue) if reg else float("nan"),
+    }

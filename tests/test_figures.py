@@ -1,0 +1,130 @@
+"""mcd_helpers.experiments.figures: the benchmark's figures read back from their Axes (labels, the
+data drawn), against values by hand."""
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+
+from mcd_helpers.experiments.figures import forest_plot, plot_by_protocol
+from mcd_helpers.experiments.significance import paired_differences, summarize
+
+matplotlib.use("Agg")
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def xy(line):
+    return np.asarray(line.get_xdata(), float), np.asarray(line.get_ydata(), float)
+
+
+def prow(strategy, seed, auroc, protocol, split="a"):
+    return {
+        "task": "near-ood",
+        "class_split": split,
+        "protocol": protocol,
+        "selection": "last-epoch",
+        "method": "mcd",
+        "strategy": strategy,
+        "seed": seed,
+        "auroc": auroc,
+    }
+
+
+def three_protocols(strategies=("concat", "separate")):
+    rng = np.random.RandomState(0)
+    return [
+        prow(s, seed, rng.uniform(0.7, 0.95), p)
+        for p in ("unseen-ood", "transductive", "disjoint")
+        for seed in range(3)
+        for s in strategies
+    ]
+
+
+def test_forest_plot_draws_each_difference_and_its_interval():
+    paired = paired_differences(three_protocols())
+    (ax,) = forest_plot(paired).axes
+    # what varies
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "unseen-ood",
+        "transductive",
+        "disjoint",
+    ]
+    # errorbar: the points, the caps, the interval segments
+    points, _, (bars,) = ax.containers[0].lines
+    assert np.asarray(points.get_xdata(), float) == pytest.approx(
+        [100 * d["mean"] for d in paired], rel=1e-12
+    )
+    np.testing.assert_allclose(
+        [s[:, 0] for s in bars.get_segments()],
+        [[100 * d["low"], 100 * d["high"]] for d in paired],
+        rtol=1e-12,
+    )
+    assert any(xy(line)[0].tolist() == [0, 0] for line in ax.lines)  # the vertical line at 0
+    assert (ax.get_xlabel(), ax.get_ylabel()) == (
+        "concat − separate, AUROC (percentage points)",
+        "protocol",
+    )
+    assert ax.get_title() == "Paired differences in AUROC (concat − separate, same seed)"
+    assert ax.yaxis_inverted()  # the first group on top
+
+
+def test_forest_plot_with_two_comparisons_names_each_and_refuses_a_missing_metric():
+    rows = three_protocols(("concat", "separate", "split-bn"))
+    paired = paired_differences(rows) + paired_differences(rows, "split-bn")
+    (ax,) = forest_plot(paired, title="T").axes
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert (
+        labels[0] == "concat − separate: unseen-ood"
+        and labels[3] == "split-bn − separate: unseen-ood"
+    )
+    assert (
+        ax.get_xlabel() == "strategy − separate, AUROC (percentage points)"
+        and ax.get_title() == "T"
+    )
+    with pytest.raises(
+        ValueError, match=r"no paired differences for metric 'fpr95'; available: \['auroc'\]"
+    ):
+        forest_plot(paired, metric="fpr95")
+
+
+def test_plot_by_protocol_series_and_panels():
+    summary = summarize(three_protocols(), metrics=("auroc",))
+    fig = plot_by_protocol(summary)
+    (ax,) = fig.axes
+    # PROTOCOLS order, whatever the rows' order
+    protocols = ["transductive", "disjoint", "unseen-ood"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == protocols
+    assert (ax.get_xlabel(), ax.get_ylabel(), ax.get_title()) == (
+        "evaluation protocol",
+        "AUROC (%)",
+        "near-ood / a / last-epoch",
+    )
+    for j, (container, strategy) in enumerate(zip(ax.containers, ("concat", "separate"))):
+        mine = [g for g in summary if g["strategy"] == strategy]
+        x, y = xy(container.lines[0])
+        assert x.tolist() == pytest.approx(
+            [protocols.index(g["protocol"]) + (j - 0.5) * 0.4 for g in mine]
+        )
+        assert y.tolist() == pytest.approx([100 * g["auroc"]["mean"] for g in mine], rel=1e-12)
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "concat",
+        "separate",
+    ] and legend.get_title().get_text() == "strategy"
+    assert fig._suptitle.get_text() == "AUROC by protocol: mean and 95% CI over seeds"
+
+
+def test_plot_by_protocol_one_panel_per_split_and_errors():
+    rows = three_protocols() + [dict(r, class_split=s) for s in "bcd" for r in three_protocols()]
+    fig = plot_by_protocol(summarize(rows, metrics=("auroc",)))
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == [
+        f"near-ood / {s} / last-epoch" for s in "abcd"
+    ]
+    assert len(fig.axes) == 6  # 3 columns x 2 rows, the last two hidden
+    with pytest.raises(ValueError, match="no summary entry holds metric 'fpr95' and a protocol"):
+        plot_by_protocol(summarize(rows, metrics=("auroc",)), metric="fpr95")

@@ -1,0 +1,490 @@
+"""mcd_helpers.experiments.significance (intervals, paired differences, endpoints, split effects)
+against hand computations and other scipy routines."""
+
+import math
+
+import matplotlib
+import numpy as np
+import pytest
+from scipy import stats as st
+
+from mcd_helpers.experiments.significance import (
+    endpoint_tests,
+    mean_ci,
+    paired_differences,
+    summarize,
+)
+
+matplotlib.use("Agg")
+
+# any t table
+T975_DF4, T975_DF2, T95_DF4 = (2.7764451051977934, 4.302652729749462, 2.1318467863266495)
+
+
+def by_scipy(values, confidence=0.95):
+    """Mean and half-width from scipy's interval routine (the package uses the quantile function
+    instead)."""
+    x = np.asarray(values, float)
+    low, high = st.t.interval(confidence, len(x) - 1, loc=x.mean(), scale=st.sem(x))
+    return x.mean(), (high - low) / 2
+
+
+def p_by_hand(diffs):
+    """Two-sided paired t-test: t = mean(d) / (s_d / sqrt(n)), p = 2 P(T_{n-1} > |t|)."""
+    d = np.asarray(diffs, float)
+    return 2 * st.t.sf(abs(d.mean() / (d.std(ddof=1) / math.sqrt(len(d)))), len(d) - 1)
+
+
+def pct(values, signed=False):
+    m, h = by_scipy(values)
+    return f"{100 * m:{'+' if signed else ''}.2f} ± {100 * h:.2f}"
+
+
+# ---- mean_ci -------------------------------------------------------------------------------------
+
+
+def test_mean_ci_by_hand():
+    half = T975_DF4 * math.sqrt(2.5 / 5)  # 1..5: s^2 = (4 + 1 + 0 + 1 + 4) / 4
+    assert mean_ci([1, 2, 3, 4, 5]) == pytest.approx(
+        {"mean": 3.0, "low": 3 - half, "high": 3 + half, "half_width": half, "n": 5}, rel=1e-12
+    )
+    assert mean_ci(np.array([5, 1, 4, 2, 3]), 0.90)["half_width"] == pytest.approx(
+        T95_DF4 * math.sqrt(2.5 / 5), rel=1e-12
+    )
+    assert mean_ci([0.7, 0.7, 0.7])["half_width"] == pytest.approx(0.0, abs=1e-15)
+
+
+@pytest.mark.parametrize("n, confidence", [(2, 0.95), (5, 0.99), (12, 0.8)])
+def test_mean_ci_against_scipys_interval(n, confidence):
+    x = np.random.RandomState(n).uniform(0.6, 0.99, n)
+    ci, (m, h) = mean_ci(x, confidence), by_scipy(x, confidence)
+    assert (ci["mean"], ci["half_width"], ci["low"], ci["high"]) == pytest.approx(
+        (m, h, m - h, m + h), rel=1e-10
+    )
+
+
+@pytest.mark.parametrize(
+    "values, kw, match",
+    [
+        ([0.5], {}, r"at least 2 values \(seeds\), got 1; run more seeds"),
+        ([], {}, "got 0"),
+        (
+            [0.5, 0.6, float("nan")],
+            {},
+            r"values hold 1 NaN or inf value\(s\), first at index 2: a failed run upstream",
+        ),
+        ([float("inf"), 0.6, float("nan")], {}, r"2 NaN or inf value\(s\), first at index 0"),
+        (
+            [0.5, 0.6],
+            {"confidence": 95},
+            r"confidence must be a fraction in \(0, 1\), got 95 \(did you mean 0.95\?\)",
+        ),
+        ([0.5, 0.6], {"confidence": 1.0}, r"fraction in \(0, 1\), got 1.0.$"),
+        ([0.5, 0.6], {"confidence": 0}, "got 0.$"),
+    ],
+)
+def test_mean_ci_errors(values, kw, match):
+    with pytest.raises(ValueError, match=match):
+        mean_ci(values, **kw)
+
+
+# ---- paired differences and summaries ------------------------------------------------------------
+
+
+def row(strategy, seed, auroc, method="mcd", protocol="disjoint", class_split="a", **kw):
+    return {
+        "task": "near-ood",
+        "class_split": class_split,
+        "protocol": protocol,
+        "selection": "last-epoch",
+        "method": method,
+        "strategy": strategy,
+        "seed": seed,
+        "auroc": auroc,
+        **kw,
+    }
+
+
+# diffs by seed: 0.02, -0.01, 0.04
+HAND = [row("concat", s, v) for s, v in zip((2, 0, 1), (0.95, 0.90, 0.85))] + [
+    row("separate", s, v) for s, v in zip((1, 2, 0), (0.86, 0.91, 0.88))
+]
+GROUP = (
+    "{'task': 'near-ood', 'class_split': 'a', 'protocol': 'disjoint', 'selection': "
+    "'last-epoch', 'method': 'mcd'}"
+)
+
+
+def test_paired_differences_by_hand():
+    # others ignored
+    (d,) = paired_differences(HAND + [row("split-bn", 0, 0.5), row(None, 0, 0.6, method="msp")])
+    assert d["seeds"] == [0, 1, 2] and d["diffs"] == pytest.approx([0.02, -0.01, 0.04], abs=1e-12)
+    s = math.sqrt(((0.02 - 1 / 60) ** 2 + (-0.01 - 1 / 60) ** 2 + (0.04 - 1 / 60) ** 2) / 2)
+    half = T975_DF2 * s / math.sqrt(3)
+    assert (d["mean"], d["half_width"], d["low"], d["high"], d["n"]) == pytest.approx(
+        (1 / 60, half, 1 / 60 - half, 1 / 60 + half, 3), rel=1e-9
+    )
+    assert d["p_value"] == pytest.approx(2 * st.t.sf((1 / 60) / (s / math.sqrt(3)), 2), rel=1e-9)
+    assert {
+        k: d[k]
+        for k in ("task", "class_split", "protocol", "selection", "method", "metric", "a", "b")
+    } == {
+        "task": "near-ood",
+        "class_split": "a",
+        "protocol": "disjoint",
+        "selection": "last-epoch",
+        "method": "mcd",
+        "metric": "auroc",
+        "a": "concat",
+        "b": "separate",
+    }
+
+
+def test_paired_differences_on_random_groups_agree_with_the_one_sample_test_and_the_interval():
+    rng, rows = np.random.RandomState(0), []
+    for protocol in ("unseen-ood", "transductive", "disjoint"):
+        for seed in range(6):
+            a, b = rng.uniform(0.6, 0.95, 2)
+            rows += [
+                row("split-bn", seed, a, protocol=protocol, fpr95=1 - a),
+                row("separate", seed, b, protocol=protocol, fpr95=1 - b),
+            ]
+    out = paired_differences(rows, "split-bn", "separate", "fpr95", keys=("protocol",))
+    # order of first appearance
+    assert [d["protocol"] for d in out] == ["unseen-ood", "transductive", "disjoint"]
+    for d in out:
+        xa, xb = (
+            [r["fpr95"] for r in rows if r["protocol"] == d["protocol"] and r["strategy"] == s]
+            for s in ("split-bn", "separate")
+        )
+        diffs = np.subtract(xa, xb)
+        assert d["p_value"] == pytest.approx(st.ttest_1samp(diffs, 0.0).pvalue, rel=1e-10)
+        assert (d["mean"], d["half_width"]) == pytest.approx(by_scipy(diffs), rel=1e-10)
+        assert (d["p_value"] < 0.05) == (d["low"] > 0 or d["high"] < 0)
+
+
+def test_equal_differences_have_no_p_and_a_group_with_one_strategy_is_left_out():
+    rows = [row("concat", s, 0.9) for s in range(3)] + [row("separate", s, 0.8) for s in range(3)]
+    # no separate here: nothing to pair
+    rows += [row("concat", s, 0.9, protocol="transductive") for s in range(3)]
+    (d,) = paired_differences(rows)
+    assert (
+        d["protocol"] == "disjoint"
+        and d["half_width"] == pytest.approx(0.0, abs=1e-12)
+        and math.isnan(d["p_value"])
+    )
+
+
+@pytest.mark.parametrize(
+    "rows, match",
+    [
+        (
+            HAND + [row("concat", 3, 0.9)],
+            rf"unmatched seeds in group {GROUP}: \[3\] only for one strategy; pairs need",
+        ),
+        (
+            HAND[:3] + [row("separate", s, 0.9) for s in (7, 8, 9)],
+            r"unmatched seeds .*: \[0, 1, 2, 7, 8, 9\]",
+        ),
+        (
+            HAND + [row("separate", 0, 0.5)],
+            rf"seed 0 appears twice for strategy 'separate' in group {GROUP}",
+        ),
+        (
+            [row("concat", 0, 0.9), row("separate", 0, 0.8)],
+            rf"group {GROUP}: a confidence interval needs at least 2",
+        ),
+        (
+            [{**HAND[0], "auroc": None}] + HAND[1:],
+            r"row 0 has no field\(s\) \['auroc'\]; its fields are \['auroc', 'class_split'",
+        ),
+        (
+            HAND[:5] + [{"strategy": "concat", "seed": 9, "auroc": 0.9}],
+            r"row 5 has no field\(s\) \['task', 'class_split', "
+            r"'protocol', 'selection', 'method'\]",
+        ),
+        (
+            HAND[:3] + [row("separate", s, float("nan") if s == 1 else 0.8) for s in range(3)],
+            rf"group {GROUP}: values hold 1 NaN or inf value\(s\), first at index 1",
+        ),
+    ],
+)
+def test_paired_differences_errors(rows, match):
+    with pytest.raises(ValueError, match=match):
+        paired_differences(rows)
+
+
+def test_summarize_groups_in_order_of_first_appearance():
+    rows = [dict(r, fpr95=0.5, id_accuracy=0.9 + 0.01 * r["seed"]) for r in HAND[3:] + HAND[:3]]
+    summary = summarize(rows)
+    assert [(g["strategy"], g["n"]) for g in summary] == [("separate", 3), ("concat", 3)]
+    concat = summary[1]
+    assert {k: concat[k] for k in ("task", "class_split", "protocol", "selection", "method")} == {
+        "task": "near-ood",
+        "class_split": "a",
+        "protocol": "disjoint",
+        "selection": "last-epoch",
+        "method": "mcd",
+    }
+    assert (concat["auroc"]["mean"], concat["auroc"]["half_width"]) == pytest.approx(
+        (0.9, T975_DF2 * 0.05 / math.sqrt(3))
+    )
+    assert concat["fpr95"]["half_width"] == 0.0 and concat["id_accuracy"]["mean"] == pytest.approx(
+        0.91
+    )
+    (pooled,) = summarize(rows, ("auroc",), keys=("task",))
+    assert pooled["n"] == 6 and pooled["auroc"]["mean"] == pytest.approx(
+        np.mean([r["auroc"] for r in rows])
+    )
+
+
+def test_summarize_errors():
+    with pytest.raises(
+        ValueError,
+        match=r"group \{.*'strategy': 'concat'\}, auroc: a confidence interval needs at least 2",
+    ):
+        summarize(HAND[:1] + HAND[3:], metrics=("auroc",))
+    with pytest.raises(ValueError, match=r"row 0 has no field\(s\) \['fpr95'\]"):
+        summarize(HAND)
+
+
+# ---- pre-registered endpoints --------------------------------------------------------------------
+
+
+def holm(p):
+    """Holm's step-down adjustment written out: the i-th smallest p times (m - i), kept monotone,
+    capped at 1."""
+    order, out, running = sorted(range(len(p)), key=lambda i: p[i]), [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_the_hand_holm_on_a_worked_example():
+    # p sorted: 0.01 (x4 = 0.04), 0.02 (x3 = 0.06), 0.03 (x2 = 0.06), 0.5 (x1); in the order given
+    assert holm([0.03, 0.5, 0.01, 0.02]) == pytest.approx([0.06, 0.5, 0.04, 0.06], abs=1e-15)
+    # 0.3 x 2 = 0.6; 0.4 x 1 = 0.4, raised to 0.6 (monotone)
+    assert holm([0.4, 0.3]) == pytest.approx([0.6, 0.6], abs=1e-15)
+
+
+def _sign_p_by_hand(k, n):
+    """Exact two-sided sign test: 2 min(P(X <= k), P(X >= k)) for X ~ Binomial(n, 1/2), at most
+    1."""
+    lower, upper = (
+        sum(math.comb(n, i) for i in rng) / 2**n for rng in (range(k + 1), range(k, n + 1))
+    )
+    return min(1.0, 2 * min(lower, upper))
+
+
+def _tost_p_by_hand(d, margin):
+    """Two one-sided t-tests of mean(d) > -margin and mean(d) < margin: the larger of their
+    p-values."""
+    se, df = np.std(d, ddof=1) / np.sqrt(len(d)), len(d) - 1
+    return max(st.t.sf((np.mean(d) + margin) / se, df), st.t.cdf((np.mean(d) - margin) / se, df))
+
+
+def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
+    rng, rows = np.random.RandomState(0), []
+    base = dict(
+        task="near-ood",
+        class_split="a",
+        protocol="disjoint",
+        selection="last-epoch",
+        method="mcd",
+        norm="batch",
+    )
+    for seed in range(8):
+        for s, shift in (("separate", 0.0), ("concat", 0.02), ("frozen-bn", 0.0)):
+            for stats_, extra in (("running", 0.0), ("recalibrated", -0.01)):
+                rows.append(
+                    {
+                        **base,
+                        "strategy": s,
+                        "seed": seed,
+                        "eval_stats": stats_,
+                        "auroc": 0.8 + shift + extra + rng.normal(0, 0.01),
+                        "fpr95": 0.3 + rng.normal(0, 0.02),
+                    }
+                )
+    # ignored
+    rows.append(
+        {
+            **base,
+            "method": "msp",
+            "strategy": None,
+            "seed": 0,
+            "eval_stats": "running",
+            "auroc": 0.7,
+        }
+    )
+    ends = [
+        ("concat", "separate", "auroc", "running"),
+        ("concat", "separate", "auroc", "recalibrated"),
+        ("concat", "separate", "fpr95", "running"),
+        ("separate", "frozen-bn", "auroc", "running"),
+    ]
+    out = endpoint_tests(rows, ends)
+    assert [d["role"] for d in out] == ["primary"] + ["secondary"] * 3
+    for d, (a, b, metric, stats_) in zip(out, ends):
+        xa, xb = (
+            [r[metric] for r in rows if r["strategy"] == s and r["eval_stats"] == stats_]
+            for s in (a, b)
+        )
+        diffs = np.subtract(xa, xb)
+        assert d["diffs"] == pytest.approx(diffs, abs=1e-15) and d["p_value"] == pytest.approx(
+            p_by_hand(diffs), rel=1e-9
+        )
+        assert d["sign_p"] == pytest.approx(
+            _sign_p_by_hand(int((diffs > 0).sum()), len(diffs)), rel=1e-12
+        )
+        assert d["tost_p"] == pytest.approx(_tost_p_by_hand(diffs, 0.01), rel=1e-9)
+    assert out[0]["tost_p"] > 0.5  # a 2 pp effect is not within ±1 pp
+    # differences 0, 0.2 pp, 0, ...: within ±1 pp
+    null = [
+        {
+            **base,
+            "strategy": s,
+            "seed": i,
+            "eval_stats": "running",
+            "auroc": 0.8 + (0.002 * (i % 2) if s == "concat" else 0),
+        }
+        for s in ("concat", "separate")
+        for i in range(6)
+    ]
+    d0 = endpoint_tests(null, ends[:1])[0]
+    assert (
+        d0["tost_p"] == pytest.approx(_tost_p_by_hand(np.array(d0["diffs"]), 0.01), rel=1e-9)
+        and d0["tost_p"] < 1e-5
+    )
+    assert out[0]["holm_p"] == out[0]["p_value"]
+    assert [d["holm_p"] for d in out[1:]] == pytest.approx(
+        holm([d["p_value"] for d in out[1:]]), rel=1e-12
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"endpoint concat-both - separate \(auroc, running statistics\) has no paired rows",
+    ):
+        endpoint_tests(rows, [("concat-both", "separate", "auroc", "running")])
+
+
+def test_an_endpoint_of_equal_differences_takes_the_sign_tests_p_into_holm():
+    base = dict(
+        task="near-ood",
+        class_split="a",
+        protocol="disjoint",
+        selection="last-epoch",
+        method="mcd",
+        norm="batch",
+        eval_stats="running",
+    )
+    rows = [
+        {
+            **base,
+            "strategy": s,
+            "seed": i,
+            "auroc": 0.8 + (0.01 if s == "concat" else 0.0) + 0.001 * i,
+            "fpr95": 0.3,
+        }
+        for s in ("concat", "separate")
+        for i in range(2)
+    ]
+    out = endpoint_tests(
+        rows,
+        [
+            ("concat", "separate", "auroc", "running"),
+            ("concat", "separate", "fpr95", "running"),
+            ("concat", "separate", "auroc", "running"),
+        ],
+    )
+    assert math.isnan(out[1]["p_value"]) and math.isnan(out[1]["sign_p"])  # all fpr95 differences 0
+    # 2 of 2 positive: p = 2 / 4
+    assert out[2]["sign_p"] == 0.5 and out[2]["diffs"] == pytest.approx([0.01, 0.01])
+    # not 0: the sign test's p
+    assert [d["holm_p"] for d in out[1:]] == pytest.approx(holm([1.0, 0.5]))
+
+
+def split_rows(k=8, n=3, tau=0.03, sigma=0.02, seed=0):
+    """Balanced rows of concat, separate and MSP over ``k`` splits x ``n`` seeds: concat - separate
+    = 0.05 + u_i + e_ij."""
+    rng, rows = np.random.default_rng(seed), []
+    common = dict(
+        task="near-ood",
+        protocol="disjoint",
+        selection="last-epoch",
+        norm="batch",
+        ood_dataset="heldout",
+    )
+    for i in range(k):
+        u = rng.normal(0, tau)
+        for j in range(n):
+            base = rng.uniform(0.8, 0.9)
+            for method, strategy, auroc in (
+                ("mcd", "concat", base + 0.05 + u + rng.normal(0, sigma)),
+                ("mcd", "separate", base),
+                ("msp", None, 0.6 + 0.01 * i + 0.003 * j),
+            ):
+                rows.append(
+                    {
+                        **common,
+                        "class_split": f"s{i}",
+                        "seed": j,
+                        "method": method,
+                        "strategy": strategy,
+                        "auroc": auroc,
+                        **dict.fromkeys(("fpr95", "aupr_in", "aupr_out", "id_accuracy"), 0.5),
+                    }
+                )
+    return rows
+
+
+def anova(rows, k, n):
+    """The balanced one-way random-effects ANOVA by hand: D (k, n), mean, tau, sigma, se(mean)."""
+    get = lambda i, s: [
+        r["auroc"] for r in rows if (r["class_split"], r["strategy"]) == (f"s{i}", s)
+    ]  # noqa: E731
+    d = np.array([np.subtract(get(i, "concat"), get(i, "separate")) for i in range(k)])
+    m = d.mean(1)
+    msb, msw = n * m.var(ddof=1), ((d - m[:, None]) ** 2).sum() / (k * (n - 1))
+    return d, d.mean(), np.sqrt(max(msb - msw, 0) / n), np.sqrt(msw), np.sqrt(msb / (k * n))
+
+
+def test_split_effects_at_no_split_effect_and_bad_input():
+    from mcd_helpers.experiments.significance import split_effects
+
+    rows = split_rows(k=6, n=4, tau=0.0, sigma=0.02, seed=1)
+    _, mean, tau, _, _ = anova(rows, 6, 4)
+    # this draw's between-split mean square is below the within one: tau on the boundary
+    assert tau == 0
+    out = split_effects(rows)
+    # tau = 0: the 24 pairs are i.i.d., their variance with N - 1 and se = sigma / sqrt(N)
+    d = anova(rows, 6, 4)[0]
+    assert out["tau"] == 0 and out["mean"] == pytest.approx(mean, rel=1e-12)
+    assert (out["sigma"], out["se"]) == pytest.approx(
+        (d.std(ddof=1), d.std(ddof=1) / np.sqrt(24)), rel=1e-12
+    )
+    with pytest.raises(ValueError, match="at least 3 class splits"):
+        split_effects([r for r in rows if r["class_split"] in ("s0", "s1")])
+    with pytest.raises(ValueError, match="one task, protocol and selection"):
+        split_effects(rows + [{**r, "protocol": "transductive"} for r in rows])
+    with pytest.raises(ValueError, match="run more seeds"):  # one seed: no within-split variance
+        split_effects([r for r in rows if r["seed"] == 0])
+    far_msp = [{**r, "task": "far-ood", "auroc": 0.99} for r in rows if r["method"] == "msp"]
+    # the covariate from the same task only
+    assert split_effects(rows + far_msp)["slope"] == out["slope"]
+
+
+def test_split_effects_refuses_splits_with_different_numbers_of_seeds():
+    from mcd_helpers.experiments.significance import split_effects
+
+    rows = [
+        r
+        for r in split_rows(k=8, n=4, tau=0.03, seed=2)
+        if not (r["class_split"] in ("s1", "s5") and r["seed"] == 3)
+    ]
+    with pytest.raises(
+        ValueError, match=r"same number of seeds in every class split, got \{'s0': 4, 's1': 3, "
+    ):
+        split_effects(rows)
+
+
