@@ -54,8 +54,12 @@ notebooks: $(VENV)/.core
 	MCD_QUICK=1 $(VENV)/bin/jupyter nbconvert --log-level WARN --to notebook --execute --ExecutePreprocessor.timeout=900 --output-dir build/notebooks $(NOTEBOOKS)
 	$(VENV)/bin/jupyter nbconvert --log-level WARN --to html $(addprefix build/notebooks/,$(notdir $(NOTEBOOKS)))
 
+# The layout first (ruff, pinned in pyproject.toml: the code, the tests and the notebooks' cells), then
+# the tests.
 test: EXTRA_APT += chromium  # the notebooks' browser tests
 test: system-deps $(VENV)/.dev
+	$(VENV)/bin/ruff format --check
+	$(VENV)/bin/ruff check
 	$(PY) -m pytest -ra
 
 # Every notebook top to bottom in full mode (what make lab runs), headless; not part of make test.

@@ -41,12 +41,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcd_helpers.config import MCDConfig  # noqa: E402
+from mcd_helpers.train import predict_logits, set_seed, train  # noqa: E402
+
 from mcd_helpers.data import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood  # noqa: E402
-from mcd_helpers.splits import transductive_split  # noqa: E402
 from mcd_helpers.losses import discrepancy_score  # noqa: E402
 from mcd_helpers.metrics import ood_metrics  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
-from mcd_helpers.train import predict_logits, set_seed, train  # noqa: E402
+from mcd_helpers.splits import transductive_split  # noqa: E402
 
 
 def pad32(x: torch.Tensor) -> torch.Tensor:

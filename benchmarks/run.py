@@ -52,10 +52,11 @@ sys.path.insert(0, str(ROOT))
 
 from mcd_helpers.config import MCDConfig  # noqa: E402
 from mcd_helpers.files import save_state  # noqa: E402
+from mcd_helpers.train import train  # noqa: E402
+
 from mcd_helpers.memory import SavedTensorMeter  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
 from mcd_helpers.splits import Split  # noqa: E402
-from mcd_helpers.train import train  # noqa: E402
 
 SHAPES = {"small_cnn": (1, 28, 28), "densenet_bc_100": (3, 32, 32)}
 VARIANTS = {  # fast-path options per variant (config fields)
@@ -403,8 +404,9 @@ def main(argv=None) -> int:
             if args.clock == "cpu"
             else "time.perf_counter (wall)"
         ),
-        "peak_memory_method": "torch.cuda.max_memory_allocated over a block, minus the memory allocated "
-        "before it"
+        "peak_memory_method": (
+            "torch.cuda.max_memory_allocated over a block, minus the memory allocated before it"
+        )
         if cuda
         else "peak bytes of the activations autograd saves during one iteration "
         "(mcd_helpers.memory.SavedTensorMeter)",

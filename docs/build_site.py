@@ -99,7 +99,10 @@ def _executed_copy_is_current(notebook: Path) -> bool:
     """An executed copy exists and its cells' sources are the notebook's (not an older
     version's)."""
     copy = EXECUTED / notebook.name
-    sources = lambda path: [c.source for c in nbformat.read(path, as_version=4).cells]
+
+    def sources(path):
+        return [c.source for c in nbformat.read(path, as_version=4).cells]
+
     return copy.exists() and sources(copy) == sources(notebook)
 
 

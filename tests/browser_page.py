@@ -23,7 +23,8 @@ NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"  # the notebook tab on show
 _SNAPSHOT_JS = r"""
 (path) => {
   if (!window.jupyterapp) return null;
-  const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);
+  const panel = [...window.jupyterapp.shell.widgets('main')]
+    .find(w => w.context && w.context.path === path);
   if (!panel || !panel.content.widgets) return null;
   const svgNodes = (src) => {
     const body = src.slice(src.indexOf(',') + 1);
@@ -36,27 +37,32 @@ _SNAPSHOT_JS = r"""
     if (m.type === 'code') for (let j = 0; j < m.outputs.length; j++) {
       const o = m.outputs.get(j), json = o.toJSON();
       outputs.push({type: o.type, mimes: Object.keys(o.data)});
-      if (o.type === 'error') errors.push(`${json.ename}: ${json.evalue}\n` + (json.traceback || []).join('\n').replace(/\x1b\[[0-9;]*m/g, ''));
+      const trace = (json.traceback || []).join('\n').replace(/\x1b\[[0-9;]*m/g, '');
+      if (o.type === 'error') errors.push(`${json.ename}: ${json.evalue}\n` + trace);
     }
     // JupyterLab renders a traceback as stderr text: find those too (also inside Output widgets).
     q('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.error"], ' +
       '.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]').map(e => e.innerText)
       .filter(t => /Traceback \(most recent call last\)|^\w+(Error|Exception): /m.test(t))
-      .forEach(t => { if (!errors.some(x => x.includes(t.trim().split('\n').pop()))) errors.push(t); });
+      .forEach(t => {
+        if (!errors.some(x => x.includes(t.trim().split('\n').pop()))) errors.push(t);
+      });
     return {
       index: i, type: m.type, empty: m.sharedModel.getSource().trim() === '',
       head: m.sharedModel.getSource().trim().split('\n')[0].slice(0, 100),
       count: m.type === 'code' ? m.executionCount : null,
       seconds: (() => { const t = m.getMetadata && m.getMetadata('execution');  // recordTiming
         return t && t['shell.execute_reply'] && t['iopub.execute_input'] ?
-          (Date.parse(t['shell.execute_reply']) - Date.parse(t['iopub.execute_input'])) / 1000 : null; })(),
+          (Date.parse(t['shell.execute_reply']) - Date.parse(t['iopub.execute_input'])) / 1000
+          : null; })(),
       prompt: (node.querySelector('.jp-InputArea-prompt') || {innerText: ''}).innerText.trim(),
       outputs,
       errors,
       widgets: q('.jp-OutputArea-output .jupyter-widgets').length,
       widgetProblems: q('.jp-OutputArea-output').map(e => e.innerText)
         .filter(t => /Error displaying widget|Error rendering widget|Loading widget\.\.\./.test(t)),
-      svgs: q('.jp-RenderedSVG img').map(e => ({w: e.naturalWidth, h: e.naturalHeight, nodes: svgNodes(e.src)})),
+      svgs: q('.jp-RenderedSVG img')
+        .map(e => ({w: e.naturalWidth, h: e.naturalHeight, nodes: svgNodes(e.src)})),
       images: q('.jp-RenderedImage img').map(e => ({w: e.naturalWidth, h: e.naturalHeight})),
     };
   });
@@ -67,10 +73,13 @@ _SNAPSHOT_JS = r"""
 # (a slider's readout changes when it moves); a change of this string is an updated output.
 _FINGERPRINT_JS = r"""
 (path) => {
-  const panel = [...window.jupyterapp.shell.widgets('main')].find(w => w.context && w.context.path === path);
-  const sel = '.jp-RenderedText, .jp-RenderedHTMLCommon, .jp-RenderedLatex, .widget-html-content, ' +
-              '.widget-htmlmath-content, .jp-RenderedImage img, .jp-RenderedSVG img';
-  return [...panel.content.node.querySelectorAll(sel)].map(e => e.src || e.innerText).join('\u0000');
+  const panel = [...window.jupyterapp.shell.widgets('main')]
+    .find(w => w.context && w.context.path === path);
+  const sel = '.jp-RenderedText, .jp-RenderedHTMLCommon, .jp-RenderedLatex, ' +
+              '.widget-html-content, .widget-htmlmath-content, .jp-RenderedImage img, ' +
+              '.jp-RenderedSVG img';
+  return [...panel.content.node.querySelectorAll(sel)]
+    .map(e => e.src || e.innerText).join('\u0000');
 }
 """
 # Controls a reader changes, in the order tried: (CSS selector, kind).

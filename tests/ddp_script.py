@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ddp_setup import engine_split, tiny_model  # noqa: E402
 
+from mcd_helpers.errors import ConfigError, TrainingInterrupted  # noqa: E402
 from mcd_helpers.experiments import ddp  # noqa: E402
 from mcd_helpers.experiments import loop as train  # noqa: E402
-from mcd_helpers.errors import ConfigError, TrainingInterrupted  # noqa: E402
 
 out = Path(sys.argv[1])
 device = ddp.setup("cpu")

@@ -12,8 +12,8 @@ from itertools import product
 
 import numpy as np
 import pytest
-from sklearn.metrics import roc_auc_score
 from pipeline_setup import brute_metrics
+from sklearn.metrics import roc_auc_score
 
 from mcd_helpers.data import DEBIAN_FMNIST_DIR
 from mcd_helpers.errors import ConfigError
@@ -305,7 +305,7 @@ def arms(tmp_path_factory):
 
 @needs_fmnist
 @pytest.mark.slow
-def test_every_arm_has_running_and_recalibrated_rows_and_frozen_batchnorm_makes_concat_equal_separate(
+def test_every_arm_has_running_and_recalibrated_rows_and_eval_batchnorm_uncouples_the_arms(
     arms,
 ):
     out, rows = arms
@@ -402,8 +402,8 @@ def test_a_dose_response_run_trains_each_length_and_pairs_the_strategies_per_dos
 @needs_fmnist
 def test_the_primary_pool_is_6400_unlabeled_images_38_percent_ood_each_drawn_twice():
     import torch
-    from mcd_helpers.experiments.stages import load_data, make_split
 
+    from mcd_helpers.experiments.stages import load_data, make_split
     from mcd_helpers.splits import class_split
 
     p = BENCHMARK_PRESETS["primary"]

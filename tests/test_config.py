@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from mcd_helpers.data import DataNotFoundError
 from mcd_helpers.errors import ConfigError, TrainingInterrupted
 from mcd_helpers.experiments.cache import cache_key

@@ -701,8 +701,8 @@ def test_photo_crops_are_windows_of_the_two_sample_photos():
                 ok &= np.abs(g[i : i + h, j : j + w] - c[i, j]) <= tol
             hits += [
                 k
-                for t, l in zip(*np.nonzero(ok))
-                if np.abs(g[t : t + 28, l : l + 28] - c).max() <= tol
+                for t, left in zip(*np.nonzero(ok))
+                if np.abs(g[t : t + 28, left : left + 28] - c).max() <= tol
             ]
         assert hits, "a crop is no window of either photo"
         used.update(hits)

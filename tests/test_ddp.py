@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from ddp_setup import engine_split, tiny_model
+
 from mcd_helpers.experiments.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,7 +200,16 @@ def test_sigterm_to_the_launcher_stops_every_rank_after_one_step_and_resume_matc
 def test_the_benchmark_under_torchrun_refuses_at_once_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [*TORCHRUN, "-m", "mcd_helpers", "benchmark", "--preset", "near-ood-tiny", "--out", str(out)],
+        [
+            *TORCHRUN,
+            "-m",
+            "mcd_helpers",
+            "benchmark",
+            "--preset",
+            "near-ood-tiny",
+            "--out",
+            str(out),
+        ],
         env=env(tmp_path / "cache"),
         capture_output=True,
         text=True,

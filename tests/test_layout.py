@@ -60,7 +60,9 @@ def test_the_import_reader_and_the_cycle_finder_find_what_is_there():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
     assert {"experiments.ddp", "strategies", "data"} <= imports_of("experiments.loop")
-    assert imports_of("experiments.__init__") == set() and "experiments.cli" in imports_of("__main__")
+    assert imports_of("experiments.__init__") == set() and "experiments.cli" in imports_of(
+        "__main__"
+    )
 
 
 def test_no_module_at_the_top_imports_the_experiments_subpackage():

@@ -1,5 +1,5 @@
-"""The training loop (mcd_helpers/experiments/loop.py): data order, one iteration written out, lr decay, the
-history, non-finite losses, interruption and exact resume.
+"""The training loop (mcd_helpers/experiments/loop.py): data order, one iteration written out, lr
+decay, the history, non-finite losses, interruption and exact resume.
 
 Tiny settings: ``small_cnn(width=4)`` on 8x8 images, 48 labeled and 40 unlabeled; every number is
 checked against a computation of this file (the data order from NumPy's SeedSequence, one MCD
@@ -261,14 +261,17 @@ def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_s
     }
     for s, net in nets.items():
         train(net, split, cfg, s, progress=False)
-    gap = lambda a, b: max(
-        (x - y).abs().max().item()
-        for x, y in zip(
-            nets[a].state_dict().values(),  # noqa: E731
-            nets[b].state_dict().values(),
+
+    def gap(a, b):
+        return max(
+            (x - y).abs().max().item()
+            for x, y in zip(
+                nets[a].state_dict().values(),  # noqa: E731
+                nets[b].state_dict().values(),
+            )
+            if x.is_floating_point()
         )
-        if x.is_floating_point()
-    )
+
     assert gap("concat", "concat-both") > 1e-4  # Step A's statistics changed the weights
     # no coupling: the same network to float64 rounding
     assert gap("frozen-bn", "frozen-bn-concat") < 1e-12

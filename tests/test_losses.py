@@ -57,7 +57,7 @@ def test_entropy_is_finite_for_extreme_logits():
 def test_supervised_loss_is_the_sum_of_two_batch_mean_cross_entropies():
     l1, l2 = rand_logits(5, 3, 1), rand_logits(5, 3, 2)
     y = [0, 2, 1, 1, 0]
-    want = sum(sum(ce_row(r, t) for r, t in zip(l.tolist(), y)) / 5 for l in (l1, l2))
+    want = sum(sum(ce_row(r, t) for r, t in zip(z.tolist(), y)) / 5 for z in (l1, l2))
     assert supervised_loss(l1, l2, torch.tensor(y)).item() == pytest.approx(want, abs=1e-12)
 
 
@@ -65,7 +65,7 @@ def test_supervised_loss_is_the_sum_of_two_batch_mean_cross_entropies():
 def test_supervised_loss_takes_any_integer_label_dtype(dtype):
     l1, l2 = rand_logits(4, 3, 3), rand_logits(4, 3, 4)
     y = [2, 0, 1, 2]
-    want = sum(sum(ce_row(r, t) for r, t in zip(l.tolist(), y)) / 4 for l in (l1, l2))
+    want = sum(sum(ce_row(r, t) for r, t in zip(z.tolist(), y)) / 4 for z in (l1, l2))
     assert supervised_loss(l1, l2, torch.tensor(y, dtype=dtype)).item() == pytest.approx(
         want, abs=1e-12
     )
@@ -193,7 +193,7 @@ def test_a_margin_beyond_float32_is_fine_in_float64():
 def test_step_b_objective_adds_both_losses_and_reports_detached_parts():
     l1s, l2s, l1u, l2u = (rand_logits(4, 3, s).requires_grad_() for s in (9, 10, 11, 12))
     y = [1, 0, 2, 2]
-    ce = sum(sum(ce_row(r, t) for r, t in zip(l.tolist(), y)) / 4 for l in (l1s, l2s))
+    ce = sum(sum(ce_row(r, t) for r, t in zip(z.tolist(), y)) / 4 for z in (l1s, l2s))
     gap = sum(entropy_row(a) - entropy_row(b) for a, b in zip(l1u.tolist(), l2u.tolist())) / 4
     loss, parts = step_b_objective([(l1s, l2s), (l1u, l2u)], torch.tensor(y), margin=2.0)
     assert loss.item() == pytest.approx(ce + max(2.0 - gap, 0.0), abs=1e-12)

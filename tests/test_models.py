@@ -40,9 +40,9 @@ def test_resnet_20_counts_its_parameters_by_hand():
     # He et al. 2016 (CIFAR ResNet-20: 0.27 M). By hand, 1 input channel, 6 classes: stem 16*9; a
     # block is BN(c_in) conv(c_in->c) BN(c) conv(c->c) (+ a 1x1 shortcut where the shape changes), a
     # BN is 2 per channel.
-    block = lambda c_in, c: (
-        2 * c_in + 9 * c_in * c + 2 * c + 9 * c * c + (c_in * c if c_in != c else 0)
-    )  # noqa: E731
+    def block(c_in, c):
+        return 2 * c_in + 9 * c_in * c + 2 * c + 9 * c * c + (c_in * c if c_in != c else 0)  # noqa: E731
+
     stages = sum(block(c_in, c) + 2 * block(c, c) for c_in, c in ((16, 16), (16, 32), (32, 64)))
     m = resnet_20(1, 6)
     assert (

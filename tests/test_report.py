@@ -314,4 +314,3 @@ def test_an_arm_of_one_class_split_is_left_out_of_the_pooled_split_means():
     pooled = pooled_summary(rows + extra)
     assert {g["strategy"] for g in pooled} == {"concat", "separate", None}
     assert pooled == pooled_summary(rows)
-

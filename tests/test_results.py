@@ -115,9 +115,10 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
         f"{tost_p(d):.2g}" == "2.2e-16"
         and "| 0.73 | | | 2.2e-16 |" in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     )
-    mean = lambda s, stats_="running": round(
-        100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2
-    )  # noqa: E731
+
+    def mean(s, stats_="running"):
+        return round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
+
     assert [mean(s) for s in ("separate", "frozen-bn", "concat")] == [84.15, 90.17, 91.10]
     # its running statistics rescue part
     assert mean("separate", "recalibrated") == 78.13 < mean("separate")
@@ -272,20 +273,23 @@ def test_bn_momentum_moves_only_the_running_statistics_and_the_effect_hardly():
     arm = lambda m, a, e="running": round(100 * np.mean([v[m, a, e, i] for i in range(10)]), 2)  # noqa: E731
     assert [arm(m, "separate") for m in momenta] == [82.27, 82.45, 83.54, 83.59, 83.02]
     assert arm(0.1, "separate", "recalibrated") == 76.58 < min(arm(m, "separate") for m in momenta)
-    acc = lambda m, a: round(
-        100
-        * np.mean(
-            [
-                r["id_accuracy"]
-                for r in rows
-                if r["method"] == "mcd"
-                and r["strategy"] == a  # noqa: E731
-                and r["eval_stats"] == "running"
-                and r["dose"] == f"bn_momentum={m}"
-            ]
-        ),
-        2,
-    )
+
+    def acc(m, a):
+        return round(
+            100
+            * np.mean(
+                [
+                    r["id_accuracy"]
+                    for r in rows
+                    if r["method"] == "mcd"
+                    and r["strategy"] == a  # noqa: E731
+                    and r["eval_stats"] == "running"
+                    and r["dose"] == f"bn_momentum={m}"
+                ]
+            ),
+            2,
+        )
+
     assert (acc(1.0, "separate"), acc(0.1, "separate"), acc(1.0, "concat")) == (86.7, 89.61, 90.42)
     primary = primary_auroc()
     assert all(

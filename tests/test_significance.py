@@ -440,9 +440,10 @@ def split_rows(k=8, n=3, tau=0.03, sigma=0.02, seed=0):
 
 def anova(rows, k, n):
     """The balanced one-way random-effects ANOVA by hand: D (k, n), mean, tau, sigma, se(mean)."""
-    get = lambda i, s: [
-        r["auroc"] for r in rows if (r["class_split"], r["strategy"]) == (f"s{i}", s)
-    ]  # noqa: E731
+
+    def get(i, s):
+        return [r["auroc"] for r in rows if (r["class_split"], r["strategy"]) == (f"s{i}", s)]  # noqa: E731
+
     d = np.array([np.subtract(get(i, "concat"), get(i, "separate")) for i in range(k)])
     m = d.mean(1)
     msb, msw = n * m.var(ddof=1), ((d - m[:, None]) ** 2).sum() / (k * (n - 1))
@@ -486,5 +487,3 @@ def test_split_effects_refuses_splits_with_different_numbers_of_seeds():
         ValueError, match=r"same number of seeds in every class split, got \{'s0': 4, 's1': 3, "
     ):
         split_effects(rows)
-
-

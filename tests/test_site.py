@@ -34,12 +34,15 @@ PICTURES = {"image/png", "image/svg+xml", "image/jpeg"}
 
 # What one page shows: status, script errors, images (decoded width), links, ids, exercises.
 _READ_JS = r"""() => ({
-  images: [...document.querySelectorAll('.cell_output img')].map(i => ({src: i.src, w: i.naturalWidth})),
+  images: [...document.querySelectorAll('.cell_output img')]
+    .map(i => ({src: i.src, w: i.naturalWidth})),
   allImages: [...document.images].map(i => ({src: i.src, w: i.naturalWidth})),
   links: [...document.querySelectorAll('a[href]')].map(a => a.href),
   ids: [...document.querySelectorAll('[id]')].map(e => e.id),
   details: [...document.querySelectorAll('details')].filter(d => {
-    const s = d.querySelector('summary'); return s && s.innerText.trim().startsWith('Answer'); }).length,
+    const s = d.querySelector('summary');
+    return s && s.innerText.trim().startsWith('Answer');
+  }).length,
   text: (document.querySelector('article, .bd-article') || document.body).innerText,
 })"""
 
@@ -76,8 +79,11 @@ def pages(site):
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
         page = browser.new_page()
         errors: list[str] = []  # script errors, and requests for the site's own files that fail
+
         # the browser's own guess
-        own = lambda url: url.startswith(base) and not url.endswith("/favicon.ico")
+        def own(url):
+            return url.startswith(base) and not url.endswith("/favicon.ico")
+
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on(
             "console",
