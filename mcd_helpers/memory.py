@@ -133,6 +133,23 @@ def _run(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float) -> f
     return sum(_backward(loss) for loss in losses)
 
 
+def _median_ms(m: nn.Module, x_sup, y_sup, x_unsup, schedule: str, margin: float, repeats: int):
+    """The median time of ``repeats`` steps of ``schedule`` (each with an SGD step, lr 0.01;
+    CUDA-synchronised), in ms; None without repeats."""
+    device = next(m.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else torch.cpu.synchronize  # CPU: no-op
+    times, opt = [], torch.optim.SGD(m.parameters(), lr=0.01)
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        m.zero_grad(set_to_none=True)
+        _run(m, x_sup, y_sup, x_unsup, schedule, margin)
+        opt.step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return 1000 * sorted(times)[len(times) // 2] if times else None
+
+
 def step_cost(
     model: nn.Module,
     x_sup: torch.Tensor,
@@ -143,23 +160,23 @@ def step_cost(
     margin: float = 1.2,
 ) -> StepCost:
     """Run one Step B ``schedule`` on a deep copy of ``model``: saved-activation memory, loss,
-    gradients; with ``repeats >= 1`` also the median time of that many more steps (each with an SGD
-    step, lr 0.01; CUDA-synchronised). The caller's model is untouched; inputs go to its device and
-    dtype.
+    gradients; with ``repeats >= 1`` also the median time of that many more steps. The caller's
+    model is untouched; inputs go to its device and dtype.
 
     Shapes:
         x_sup: ``(N_sup, ...)``, y_sup: ``(N_sup,)``, x_unsup: ``(N_unsup, ...)``.
 
     Raises:
         ValueError: an unknown schedule, negative ``repeats``, batches of different shapes, a model
-            with no trainable parameter. TypeError: inputs that are not tensors, a model that does
-            not return ``(logits1, logits2)``. RuntimeError: autograd disabled
-            (``torch.no_grad()``).
+            with no trainable parameter.
+        TypeError: inputs that are not tensors, a model that does not return
+            ``(logits1, logits2)``.
+        RuntimeError: autograd disabled (``torch.no_grad()``).
     """
     if schedule not in BACKWARD_SCHEDULES or not isinstance(repeats, int) or repeats < 0:
         raise ValueError(
-            f"schedule must be one of {BACKWARD_SCHEDULES} and repeats an integer >= 0; "
-            f"got {schedule!r}, repeats={repeats!r}."
+            f"schedule must be one of {BACKWARD_SCHEDULES} and repeats an integer >= 0; got "
+            f"{schedule!r}, repeats={repeats!r}."
         )
     if not all(isinstance(t, torch.Tensor) for t in (x_sup, y_sup, x_unsup)):
         raise TypeError(
@@ -176,10 +193,8 @@ def step_cost(
             "that block."
         )
     if not any(p.requires_grad for p in model.parameters()):
-        raise ValueError(
-            f"the model ({type(model).__name__}) has no parameter with requires_grad=True "
-            "to measure."
-        )
+        name = type(model).__name__
+        raise ValueError(f"the model ({name}) has no parameter with requires_grad=True to measure.")
     m = copy.deepcopy(model)
     p = next(m.parameters())
     x_sup, x_unsup, y_sup = (
@@ -191,16 +206,5 @@ def step_cost(
     with SavedTensorMeter(exclude=[*m.parameters(), x_sup, x_unsup]) as meter:
         loss = _run(m, x_sup, y_sup, x_unsup, schedule, margin)
     grads = {k: q.grad.detach().clone() for k, q in m.named_parameters() if q.grad is not None}
-    times, opt = [], torch.optim.SGD(m.parameters(), lr=0.01)
-    # the CPU's: a no-op
-    sync = torch.cuda.synchronize if p.device.type == "cuda" else torch.cpu.synchronize
-    for _ in range(repeats):
-        sync(p.device)
-        start = time.perf_counter()
-        m.zero_grad(set_to_none=True)
-        _run(m, x_sup, y_sup, x_unsup, schedule, margin)
-        opt.step()
-        sync(p.device)
-        times.append(time.perf_counter() - start)
-    ms = 1000 * sorted(times)[len(times) // 2] if times else None
+    ms = _median_ms(m, x_sup, y_sup, x_unsup, schedule, margin, repeats)
     return StepCost(schedule, meter.peak_bytes, meter.live_bytes, loss, ms, str(p.device), grads)

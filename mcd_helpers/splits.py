@@ -167,6 +167,34 @@ def keep_classes(x: torch.Tensor, y: torch.Tensor, classes) -> tuple[torch.Tenso
     return x[keep], relabel[y[keep]]
 
 
+def _pool(
+    x_id_tr, y_id_tr, ood_src, test: Split, n_holdout, n_ood, n_val, seed, ood_fraction
+) -> Split:
+    """The split of disjoint and unseen-ood: ``n_holdout`` ID and ``n_ood`` OOD training images in
+    the unlabeled pool, its first ``n_val`` of each for validation; ``test``'s test set. ConfigError
+    when the sizes cannot be met."""
+    if not 1 <= n_holdout < len(x_id_tr):
+        raise ConfigError(
+            "n_holdout",
+            f"n_holdout={n_holdout} must be >= 1 and below the {len(x_id_tr)} ID-class training "
+            "images (at least one must stay labelled).",
+        )
+    if min(n_holdout, n_ood) <= n_val:
+        raise ConfigError(
+            "n_val",
+            f"n_val={n_val} is too large: the unlabeled pool has {n_holdout} ID and {n_ood} OOD "
+            "images, the first n_val of each go to validation and one must be left.",
+        )
+    p_tr, pool_ood = _perm(len(x_id_tr), seed), _perm(len(ood_src), seed)[:n_ood]
+    pool_id, sup = p_tr[:n_holdout], p_tr[n_holdout:]
+    unsup_ood = pool_ood[n_val:][: round(ood_fraction * (n_ood - n_val))]
+    x_unsup = torch.cat([x_id_tr[pool_id[n_val:]], ood_src[unsup_ood]])  # the ID part first
+    val = (x_id_tr[pool_id[:n_val]], y_id_tr[pool_id[:n_val]], ood_src[pool_ood[:n_val]])
+    return Split(
+        x_id_tr[sup], y_id_tr[sup], x_unsup, *val, test.test_id_x, test.test_id_y, test.test_ood_x
+    )
+
+
 def protocol_split(
     protocol: str,
     x_train: torch.Tensor,
@@ -182,21 +210,14 @@ def protocol_split(
     far_ood_train: torch.Tensor | None = None,
     ood_fraction: float = 1.0,
 ) -> Split:
-    """The split of a held-out-class task under ``protocol``; every permutation
+    """The split of a held-out-class task under ``protocol``, each permutation
     ``RandomState(seed)``'s.
 
-    Let ID_tr / OOD_tr be the training images of the ID / OOD classes, ID_te / OOD_te the test ones.
-    The test set is the same under every protocol: :func:`transductive_split` of ID_te and OOD_te.
-
-    * ``transductive``: ``x_sup`` = ID_tr; ``x_unsup`` = the test set; validation from the test
-      sets.
-    * ``disjoint``: ID_tr permuted, its first ``n_holdout`` go (unlabeled) to the pool, the rest are
-      ``x_sup``; OOD_tr permuted, its first ``min(len, round(n_holdout * |OOD_te| / |ID_te|))`` join
-      the pool (the test set's ID:OOD ratio); the first ``n_val`` of the pool's ID and OOD parts are
-      validation, the rest ``x_unsup`` (ID part first), of whose OOD part the first
-      ``round(ood_fraction * n)`` of ``n`` are kept (the OOD share of the unlabeled set as a dose).
-      The test set is never trained on.
-    * ``unseen-ood``: as disjoint, the pool's OOD part from ``far_ood_train`` instead of OOD_tr.
+    The test set is :func:`transductive_split`'s of the ID and OOD classes' test images under every
+    protocol. ``transductive`` trains on it; ``disjoint`` holds ``n_holdout`` ID training images out
+    into an unlabeled pool with the OOD classes' training images in the test set's ID:OOD ratio (the
+    first ``n_val`` of each part validate; of the rest's OOD part the first ``ood_fraction`` is
+    kept); ``unseen-ood`` takes the pool's OOD part from ``far_ood_train``.
 
     Raises:
         ConfigError: before any work: an unknown protocol, ``n_val`` or ``n_holdout`` too large for
@@ -224,30 +245,5 @@ def protocol_split(
     ood_src = (
         keep_classes(x_train, y_train, ood_classes)[0] if protocol == "disjoint" else far_ood_train
     )
-    n_ood = min(len(ood_src), round(n_holdout * len(x_ood_te) / len(x_id_te)))
-    if not 1 <= n_holdout < len(x_id_tr):
-        raise ConfigError(
-            "n_holdout",
-            f"n_holdout={n_holdout} must be >= 1 and below the {len(x_id_tr)} ID-class "
-            "training images (at least one must stay labelled).",
-        )
-    if min(n_holdout, n_ood) <= n_val:
-        raise ConfigError(
-            "n_val",
-            f"n_val={n_val} is too large: the unlabeled pool has {n_holdout} ID and {n_ood} OOD "
-            "images, the first n_val of each go to validation and one must be left.",
-        )
-    p_tr, pool_ood = _perm(len(x_id_tr), seed), _perm(len(ood_src), seed)[:n_ood]
-    pool_id, sup = p_tr[:n_holdout], p_tr[n_holdout:]
-    unsup_ood = pool_ood[n_val:][: round(ood_fraction * (n_ood - n_val))]
-    return Split(
-        x_id_tr[sup],
-        y_id_tr[sup],
-        torch.cat([x_id_tr[pool_id[n_val:]], ood_src[unsup_ood]]),
-        x_id_tr[pool_id[:n_val]],
-        y_id_tr[pool_id[:n_val]],
-        ood_src[pool_ood[:n_val]],
-        test.test_id_x,
-        test.test_id_y,
-        test.test_ood_x,
-    )
+    n_ood = min(len(ood_src), round(n_holdout * len(x_ood_te) / len(x_id_te)))  # the test ratio
+    return _pool(x_id_tr, y_id_tr, ood_src, test, n_holdout, n_ood, n_val, seed, ood_fraction)

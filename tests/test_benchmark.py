@@ -125,11 +125,7 @@ def test_far_sets_that_are_not_offline_are_refused_before_anything_is_written(
         "x",
         dataclasses.replace(BENCHMARK_PRESETS[TINY], far_ood_sets=("mnist",)),
     )
-    with pytest.raises(
-        ConfigError,
-        match=r"far OOD sets \['mnist'\] are not offline; valid: digits, "
-        r"photo_crops, gaussian, uniform\.",
-    ) as err:
+    with pytest.raises(ConfigError, match=r"\['mnist'\]") as err:
         run_benchmark("x", tmp_path / "out", progress=False, quiet=True)
     assert err.value.field == "far_ood_sets" and not (tmp_path / "out").exists()
 

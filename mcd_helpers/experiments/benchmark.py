@@ -299,34 +299,25 @@ class Cell:
 
 
 def seed_numbers(preset: str, seeds, max_seeds: int) -> tuple[int, ...]:
-    """The seeds ``--seeds`` asks for: a count ``n`` (seeds 0 to n - 1, also as text), a range
-    ``"A-B"`` (A to B, both included) or the seeds themselves.
+    """The seeds ``--seeds`` asks for: a count ``n`` (the seeds 0 to n - 1) or a range ``"A-B"``
+    (A to B, both included), as a number or as text.
 
     Raises:
-        ConfigError: (field ``seeds``) something else; fewer than 2 seeds or more than
-            ``max_seeds``; a seed twice or outside [0, 2**32).
+        ConfigError: (field ``seeds``) something else, fewer than 2 seeds or more than
+            ``max_seeds``.
     """
-    found = None
-    if isinstance(seeds, int) and not isinstance(seeds, bool):
-        found = tuple(range(seeds))
-    elif isinstance(seeds, str) and seeds.strip().isdigit():
-        found = tuple(range(int(seeds)))
-    elif isinstance(seeds, str) and seeds.count("-") == 1:
-        first, last = (part.strip() for part in seeds.split("-"))
-        if first.isdigit() and last.isdigit():
-            found = tuple(range(int(first), int(last) + 1))
-    elif isinstance(seeds, (tuple, list)) and all(
-        isinstance(s, int) and not isinstance(s, bool) for s in seeds
-    ):
-        found = tuple(seeds)
-    if found is None or not 2 <= len(found) <= max_seeds:
+    first, _, last = str(seeds).partition("-")
+    found = ()
+    if not isinstance(seeds, bool) and isinstance(seeds, int | str) and first.isdigit():
+        found = (
+            tuple(range(int(first), int(last) + 1)) if last.isdigit() else tuple(range(int(first)))
+        )
+    if not 2 <= len(found) <= max_seeds or (last and not last.isdigit()):
         raise ConfigError(
             "seeds",
-            f"seeds must be a count or a range A-B of 2 to {max_seeds} seeds for "
-            f"{preset!r}, got {seeds!r}.",
+            f"seeds must be a count or a range A-B of 2 to {max_seeds} seeds for {preset!r}, "
+            f"got {seeds!r}.",
         )
-    if len(set(found)) < len(found) or not all(0 <= s < 2**32 for s in found):
-        raise ConfigError("seeds", f"seeds must be distinct and in [0, 2**32), got {seeds!r}.")
     return found
 
 
@@ -386,12 +377,10 @@ def check_benchmark(
     # run, and none when the primary's arms are gone or the class splits, protocols or selections
     # changed
     ends = tuple(e for e in p.endpoints if {e[0], e[1]} <= set(chosen))
-    grid, registered = (
-        (q.class_splits, q.protocols, q.selections),
-        (p.class_splits, p.protocols, p.selections),
+    same = [getattr(q, f) == getattr(p, f) for f in ("class_splits", "protocols", "selections")]
+    return dataclasses.replace(
+        q, endpoints=ends if all(same) and ends[:1] == p.endpoints[:1] else ()
     )
-    same = grid == registered
-    return dataclasses.replace(q, endpoints=ends if same and ends[:1] == p.endpoints[:1] else ())
 
 
 def cells_of(p: BenchmarkPreset) -> list[Cell]:
@@ -518,6 +507,32 @@ def _cells(
     return rows
 
 
+def _settings(p: BenchmarkPreset, preset: str) -> tuple[dict, list]:
+    """``config.json``'s settings (the grid, the config, the code's version), and what of them
+    enters a cell's key beside its config."""
+    rest = {k: v for k, v in dataclasses.asdict(p).items() if k != "config"}
+    settings = {
+        "preset": preset,
+        **rest,
+        "config": p.config.to_dict(),
+        "code_version": code_version(),
+    }
+    grid = [p.strategies, p.reference, p.far_strategies, p.selections, p.recalibrated]
+    grid += [p.config.odin_temperatures, p.config.odin_epsilons, settings["code_version"]]
+    return settings, grid
+
+
+def _write_outputs(p: BenchmarkPreset, preset: str, out: Path, rows: list, settings: dict, seconds):
+    """``summary.md`` and the figures, ``config.json``, then ``results.json``, the last file
+    written."""
+    given = BENCHMARK_PRESETS[preset]
+    narrowed = p != dataclasses.replace(given, config=p.config, seeds=tuple(range(given.seeds)))
+    note = " (narrowed by the command line: config.json has the grid)" if narrowed else ""
+    write_report(rows, out, f"Benchmark {preset}: {p.about}{note}", seconds, p.endpoints)
+    write_json(out / "config.json", settings)
+    write_json(out / "results.json", rows)
+
+
 def run_benchmark(
     preset: str,
     out_dir: Path,
@@ -533,18 +548,15 @@ def run_benchmark(
     fresh: bool = False,
     device: str | None = None,
 ) -> list[dict]:
-    """Run a benchmark preset into ``out_dir`` (the module docstring says what it writes). Every
-    setting and every split is checked before training; cells already in ``out_dir/cells`` with the
-    same settings are reused.
-
-    Returns:
-        the rows of ``results.json`` (metrics as fractions).
+    """Run a benchmark preset into ``out_dir`` (the module docstring says what it writes): every
+    setting and every split checked before training, the cells already in ``out_dir/cells`` with
+    the same settings reused. Returns the rows of ``results.json`` (metrics as fractions).
 
     Raises:
         ValueError: under torchrun (exit code 2).
-        ConfigError: a bad preset, seed count or range, class split, protocol,
-            strategy, selection, size or device; ``--resume`` on cells written with other settings
-            (field ``resume``); an out folder in use or holding unfinished work.
+        ConfigError: a setting :func:`check_benchmark` refuses, a size or device that cannot work,
+            ``--resume`` on cells of other settings, an out folder in use or holding unfinished
+            work.
         DataNotFoundError: before training.
         TrainingInterrupted: SIGTERM or SIGINT.
     """
@@ -555,35 +567,20 @@ def run_benchmark(
         p = dataclasses.replace(p, config=dataclasses.replace(p.config, device=device))
     if bad := [o for o in p.far_ood_sets if o not in OFFLINE_OOD_SETS]:
         raise ConfigError(
-            "far_ood_sets",
-            f"far OOD sets {bad} are not offline; valid: {', '.join(OFFLINE_OOD_SETS)}.",
+            "far_ood_sets", f"far OOD sets {bad} are not offline: {', '.join(OFFLINE_OOD_SETS)}."
         )
     out, t0, log = Path(out_dir), time.time(), (lambda msg: None) if quiet else tqdm.write
-    rest = {k: v for k, v in dataclasses.asdict(p).items() if k != "config"}
-    settings = {
-        "preset": preset,
-        **rest,
-        "config": p.config.to_dict(),
-        "code_version": code_version(),
-    }
-    # in a cell's key, with its config
-    grid = [p.strategies, p.reference, p.far_strategies, p.selections, p.recalibrated]
-    grid += [p.config.odin_temperatures, p.config.odin_epsilons, settings["code_version"]]
-    how = RunOptions(set() if retrain else False, progress, None, None, resume)
+    settings, grid = _settings(p, preset)
     with output_folder(out, settings, resume, fresh, quiet) as info:
         data = load_data(p.config)
         # every split of the grid checked before any training (each cell makes its own again: the
         # generated OOD images depend on its seed, and a grid's splits together take gigabytes)
         for cell in {dataclasses.replace(c, seed=p.seeds[0]) for c in cells_of(p)}:
             make_split(_cell_config(p, cell), data, cell.ood)
+        how = RunOptions(set() if retrain else False, progress, None, None, resume)
         rows = _cells(p, preset, data, out, grid, how, log)
         seconds = round(time.time() - t0, 1)
-        given = BENCHMARK_PRESETS[preset]
-        narrowed = p != dataclasses.replace(given, config=p.config, seeds=tuple(range(given.seeds)))
-        note = " (narrowed by the command line: config.json has the grid)" if narrowed else ""
-        write_report(rows, out, f"Benchmark {preset}: {p.about}{note}", seconds, p.endpoints)
-        write_json(out / "config.json", settings)
-        write_json(out / "results.json", rows)  # the last file written
+        _write_outputs(p, preset, out, rows, settings, seconds)
         info.update(seconds=seconds, cells=len(cells_of(p)), rows=len(rows))
         log(
             f"{len(rows)} rows from {len(cells_of(p))} cells in {seconds:.0f} s: "

@@ -44,90 +44,50 @@ def _csv(kind):
     return lambda text: tuple(kind(v.strip()) for v in text.split(",") if v.strip())
 
 
+SWITCHES = {  # both commands'
+    "--list-presets": "show the presets and exit",
+    "--retrain": "train every stage again even if cached (each once)",
+    "--resume": "continue the interrupted run in --out (same settings)",
+    "--fresh": "delete unfinished work and results in --out, start over",
+    "--quiet": "no progress bars or log lines",
+}
+CHOICES = {  # the benchmark's comma-separated flags, with the values each takes
+    "class-splits": ",".join(CLASS_SPLITS) + " or written as ID/OOD class digits (012345/6789)",
+    "protocols": ",".join(PROTOCOLS),
+    "strategies": ",".join(STRATEGIES),
+    "selections": ",".join(SELECTIONS),
+}
+
+
 def _field_help() -> dict[str, str]:
     """Each MCDConfig field's comment in its source: beside it, else the comment lines above it."""
     found, above = {}, []
     for line in inspect.getsource(MCDConfig).splitlines():
-        stripped = line.strip()
-        if stripped.startswith("# ---"):  # a section's banner, not a field's comment
-            above = []
-        elif stripped.startswith("#"):
-            above.append(stripped.lstrip("# "))
-        elif match := re.match(r"^\s+(\w+): [^#]*?(?:#\s*(.+))?$", line):
-            found[match[1]] = match[2] or " ".join(above)
-            above = []
-        else:
-            above = []
-    return {name: text for name, text in found.items() if text}
-
-
-def _common_flags(p: argparse.ArgumentParser, default: str) -> None:
-    shows = "; --preset NAME --help shows NAME's values" if default == "quick" else ""
-    p.add_argument(
-        "--preset",
-        default=default,
-        help=f"named settings (default {default}); see --list-presets{shows}",
-    )
-    p.add_argument("--list-presets", action="store_true", help="show the presets and exit")
-    p.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
-    p.add_argument(
-        "--retrain", action="store_true", help="train every stage again even if cached (each once)"
-    )
-    p.add_argument(
-        "--resume",
-        action="store_true",
-        help="continue the interrupted run in --out (same settings)",
-    )
-    p.add_argument(
-        "--fresh",
-        action="store_true",
-        help="delete unfinished work and results in --out, start over",
-    )
-    p.add_argument("--quiet", action="store_true", help="no progress bars or log lines")
-
-
-def _benchmark_flags(bench: argparse.ArgumentParser) -> None:
-    splits = ",".join(CLASS_SPLITS) + " or written as ID/OOD class digits (012345/6789)"
-    bench.add_argument(
-        "--seeds", help="a count N (seeds 0 to N-1) or a range A-B (default: the preset's)"
-    )
-    for name, values in (
-        ("class-splits", splits),
-        ("protocols", ",".join(PROTOCOLS)),
-        ("strategies", ",".join(STRATEGIES)),
-        ("selections", ",".join(SELECTIONS)),
-    ):
-        help_text = (
-            f"{name.replace('-', ' ')}: comma-separated, of {values} (default: the preset's)"
-        )
-        bench.add_argument(f"--{name}", type=_csv(str), help=help_text)
-    bench.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the preset's, cpu)")
+        code, _, comment = (part.strip() for part in line.partition("#"))
+        if field := re.fullmatch(r"(\w+): .*", code):
+            found[field[1]] = comment or " ".join(above)
+        # comment lines gather until a field takes them; a section's banner (# ---) is none
+        above = above + [comment] if not code and comment and comment[0] != "-" else []
+    return found
 
 
 def _config_flags(rep: argparse.ArgumentParser, argv: list[str] | None) -> None:
     """A flag per MCDConfig field; its help shows the default of the preset named in ``argv``."""
-    rep.add_argument(
-        "--config",
-        type=Path,
-        help="rerun a run: its DIR/config.json instead of a preset (flags override)",
-    )
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--preset", default="quick")
     name = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].preset
     name = name if name in PRESETS else "quick"  # an unknown name is refused when the command runs
     comments = _field_help()
     for f, hint in typing.get_type_hints(MCDConfig).items():  # None (argparse's default): not given
-        text = f.replace("_", " ") + (f": {comments[f]}" if f in comments else "")
-        if hint is bool:
-            kind = dict(action=argparse.BooleanOptionalAction)
-        elif typing.get_origin(hint) is tuple:
-            kind = dict(type=_csv(typing.get_args(hint)[0]))
-        else:
-            kind = dict(type=hint)
+        kind = dict(
+            type=_csv(typing.get_args(hint)[0]) if typing.get_origin(hint) is tuple else hint
+        )
         value = getattr(PRESETS[name], f)
         value = ",".join(map(str, value)) if isinstance(value, tuple) else value
-        help_text = f"{text} ({name}: {value})".replace("%", "%%")
-        rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=help_text, **kind)
+        text = f"{f.replace('_', ' ')}: {comments[f]} ({name}: {value})".replace("%", "%%")
+        if hint is bool:
+            kind = dict(action=argparse.BooleanOptionalAction)
+        rep.add_argument(f"--{f.replace('_', '-')}", dest=f, help=text, **kind)
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
@@ -151,9 +111,28 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         description="A preset's grid over seeds: held-out Fashion-MNIST classes, protocols, MCD "
         "strategies, MSP, ODIN, energy; write results.json, scores/, summary.md, plots into --out.",
     )
-    _common_flags(rep, "quick")
-    _common_flags(bench, "near-ood-quick")
-    _benchmark_flags(bench)
+    for p, default in ((rep, "quick"), (bench, "near-ood-quick")):
+        shows = "; --preset NAME --help shows NAME's values" if p is rep else ""
+        p.add_argument(
+            "--preset",
+            default=default,
+            help=f"named settings (default {default}); see --list-presets{shows}",
+        )
+        p.add_argument("--out", type=Path, help="output folder (required unless --list-presets)")
+        for flag, text in SWITCHES.items():
+            p.add_argument(flag, action="store_true", help=text)
+    bench.add_argument(
+        "--seeds", help="a count N (seeds 0 to N-1) or a range A-B (default: the preset's)"
+    )
+    for flag, values in CHOICES.items():
+        of = f"{flag.replace('-', ' ')}: comma-separated, of {values} (default: the preset's)"
+        bench.add_argument(f"--{flag}", type=_csv(str), help=of)
+    bench.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: the preset's, cpu)")
+    rep.add_argument(
+        "--config",
+        type=Path,
+        help="rerun a run: its DIR/config.json instead of a preset (flags override)",
+    )
     _config_flags(rep, argv)
     return parser
 
@@ -209,13 +188,10 @@ def _list_presets(bench: bool) -> None:
     from .benchmark import BENCHMARK_PRESETS
 
     for name, p in (BENCHMARK_PRESETS if bench else PRESETS).items():
+        about = {f.name: value for f in fields(p) if (value := getattr(p, f.name)) != f.default}
         if bench:
-            about = (
-                f"{p.about}; splits {', '.join(p.class_splits)}; seeds {p.seeds} (at most "
-                f"{p.max_seeds})"
-            )
-        else:
-            about = {f.name: value for f in fields(p) if (value := getattr(p, f.name)) != f.default}
+            splits = ", ".join(p.class_splits)
+            about = f"{p.about}; splits {splits}; seeds {p.seeds} (at most {p.max_seeds})"
         print(f"{name}: {about or 'the MCDConfig defaults'}")
 
 
@@ -224,8 +200,13 @@ def _run(args: argparse.Namespace, bench: bool) -> None:
         made = "scores/, summary.md" if bench else "results.md and plots"
         raise ConfigError("out", f"--out DIR is required (the folder for results.json, {made}).")
     terminal = getattr(sys.stderr, "isatty", bool)()  # progress bars on a terminal only
-    how = dict(retrain=args.retrain, progress=not args.quiet and terminal, quiet=args.quiet)
-    how.update(resume=args.resume, fresh=args.fresh)
+    how = dict(
+        retrain=args.retrain,
+        progress=not args.quiet and terminal,
+        quiet=args.quiet,
+        resume=args.resume,
+        fresh=args.fresh,
+    )
     if bench:
         from .benchmark import run_benchmark
 
@@ -245,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.list_presets:
             _list_presets(bench)
-            return 0
-        _run(args, bench)
+        else:
+            _run(args, bench)
     except (Exception, KeyboardInterrupt) as err:  # noqa: BLE001  (a message and a code per error)
         code = exit_code(err)
         user_errors = (ValueError, KeyError, OSError, RuntimeError, FloatingPointError)
@@ -259,6 +240,6 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
-    if not args.quiet and not tag:
+    if not args.quiet and not tag and not args.list_presets:
         print((args.out / ("summary.md" if bench else "results.md")).read_text())
     return 0

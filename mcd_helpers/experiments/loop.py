@@ -126,10 +126,9 @@ class _Stage:
         self.steps = min(cfg.steps_per_epoch or per_pass, per_pass) if self.fine else per_pass
         bf16, device_type = cfg.resolved_amp() == "bf16", torch.device(cfg.device).type
         self.autocast = lambda: torch.autocast(device_type, torch.bfloat16, enabled=bf16)
-        self.state = {"stage": self.name, "key": key, "epoch": 0, "step": 0}
-        self.state.update(best=None, best_auroc=float("-inf"))
+        position = {"epoch": 0, "step": 0, "best": None, "best_auroc": float("-inf")}
+        self.state = {"stage": self.name, "key": key, **position}
         self.hist = History()
-        self.names = ()  # the losses a step records, in order
         self.pending = []  # (epoch, step, losses on the device) not yet read back
 
     # ---- restore ----
@@ -145,9 +144,8 @@ class _Stage:
                 "changed. Resume with the interrupted run's settings, or pass --fresh to "
                 "start over.",
             )
-        self.net.load_state_dict(saved["model"])
-        self.opt.load_state_dict(saved["optimizer"])
-        self.sched.load_state_dict(saved["scheduler"])
+        for part, name in ((self.net, "model"), (self.opt, "optimizer"), (self.sched, "scheduler")):
+            part.load_state_dict(saved[name])
         torch.set_rng_state(saved["rng"])
         if saved.get("cuda_rng") is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(saved["cuda_rng"])

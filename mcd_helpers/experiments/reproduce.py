@@ -68,6 +68,44 @@ def _write_results(out: Path, cfg: MCDConfig, rows: list, failures: dict) -> Non
         atomic_write(out / name, text)
 
 
+def _run_sets(
+    cfg: MCDConfig, splits: dict, how: RunOptions, out: Path, profile: dict, log
+) -> tuple:
+    """Every OOD set's rows, its figures written; ``(rows, failures)``: an error the run cannot go
+    on from (:data:`FATAL`, or any under torchrun) stops it, another is recorded and skips the
+    set."""
+    rows, failures = [], {}
+    for ood, split in splits.items():
+        try:
+            res = run_ood_set(cfg, split, ood, how=how)
+        except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
+            if isinstance(err, FATAL) or ddp.world()[1] > 1:  # (the ranks may be out of step)
+                raise
+            failures[ood] = f"{type(err).__name__}: {err}"
+            log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
+            continue
+        _log_rows(log, ood, res.rows)
+        profile[ood] = res.seconds
+        with timed(profile, "figures"):
+            if ddp.is_main():
+                _plots(out, ood, cfg.id_dataset, res.scores)
+        rows += [{**r, "world_size": ddp.world()[1]} for r in res.rows]
+    return rows, failures
+
+
+def _announce(cfg: MCDConfig, log) -> None:
+    """Where data and caches go when the data folder is read-only, and the precision that trains."""
+    if cache_dir() != data_dir():
+        log(
+            f"note: {data_dir()} is read-only: data is read from it, downloads and caches "
+            f"go to {cache_dir()}."
+        )
+    log(
+        f"training precision: amp={cfg.amp} is {cfg.resolved_amp()} on {cfg.device} (also "
+        "in run.json)"
+    )
+
+
 def run_reproduction(
     cfg: MCDConfig,
     out_dir: Path,
@@ -79,19 +117,15 @@ def run_reproduction(
 ) -> list[dict]:
     """The reproduction of ``cfg`` into ``out_dir`` (see the module docstring); ``resume`` continues
     an interrupted run exactly (on the CPU its results equal an uninterrupted run's); ``retrain``
-    computes every stage again, each once.
-
-    Returns:
-        the rows of ``results.json``: per OOD set ``msp``, ``odin``, ``energy`` (the pre-trained
-        network) and one ``mcd`` row per strategy, metrics as fractions.
+    computes every stage again, each once. Returns the rows of ``results.json``: per OOD set
+    ``msp``, ``odin``, ``energy`` (the pre-trained network) and an ``mcd`` row per strategy.
 
     Raises:
-        ConfigError: a setting that cannot work (before any training; ``field`` names it).
-        DataNotFoundError: the ID data or an OOD set cannot be had (before training).
+        ConfigError, DataNotFoundError: a setting that cannot work, data that cannot be had (before
+            any training; ``field`` names the setting).
         RuntimeError: some OOD sets failed after others were done (their rows are written).
-        CheckpointError: a checkpoint or cached network is unreadable or does not fit.
-        FloatingPointError: training diverged.
-        TrainingInterrupted: SIGTERM or SIGINT.
+        CheckpointError, FloatingPointError, TrainingInterrupted: an unreadable checkpoint or cached
+            network, a diverged training, SIGTERM or SIGINT.
     """
     check_device(cfg.device)
     for ood in cfg.ood_sets:  # before anything is loaded or written
@@ -105,36 +139,12 @@ def run_reproduction(
         set() if retrain else False, progress and not quiet, log, out / "checkpoints", resume
     )
     with output_folder(out, {"config": cfg.to_dict()}, resume, fresh, quiet) as info:
-        if cache_dir() != data_dir():
-            log(
-                f"note: {data_dir()} is read-only: data is read from it, downloads and "
-                f"caches go to {cache_dir()}."
-            )
-        log(
-            f"training precision: amp={cfg.amp} is {cfg.resolved_amp()} on {cfg.device} "
-            "(also in run.json)"
-        )
-        # wall-clock seconds of each stage, into run.json
-        profile, started = ({}, time.perf_counter())
+        _announce(cfg, log)
+        profile, started = {}, time.perf_counter()  # seconds of each stage, into run.json
         with timed(profile, "data"):  # every split made and checked before any training
             data = load_data(cfg)
             splits = {ood: make_split(cfg, data, ood) for ood in cfg.ood_sets}
-        rows, failures = [], {}
-        for ood, split in splits.items():
-            try:
-                res = run_ood_set(cfg, split, ood, how=how)
-            except Exception as err:  # noqa: BLE001  (recorded; the other OOD sets still run)
-                if isinstance(err, FATAL) or ddp.world()[1] > 1:  # (the ranks may be out of step)
-                    raise
-                failures[ood] = f"{type(err).__name__}: {err}"
-                log(f"{ood:>12} | FAILED: {failures[ood]}; going on with the other OOD sets")
-                continue
-            _log_rows(log, ood, res.rows)
-            profile[ood] = res.seconds
-            with timed(profile, "figures"):
-                if ddp.is_main():
-                    _plots(out, ood, cfg.id_dataset, res.scores)
-            rows += [{**r, "world_size": ddp.world()[1]} for r in res.rows]
+        rows, failures = _run_sets(cfg, splits, how, out, profile, log)
         if ddp.is_main():
             _write_results(out, cfg, rows, failures)
         profile["total"] = round(time.perf_counter() - started, 2)

@@ -148,6 +148,19 @@ def paired_differences(
     return out
 
 
+def _sign_and_tost(diffs: list[float], equivalence: float) -> dict:
+    """The exact two-sided sign test over the non-zero differences (NaN when all are 0) and the
+    TOST equivalence p within ``± equivalence``."""
+    nonzero = [x for x in diffs if x != 0]
+    sign = (
+        stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue if nonzero else math.nan
+    )
+    with np.errstate(divide="ignore", invalid="ignore"):  # equal differences: t = ±inf, p 0 or 1
+        d = np.asarray(diffs, float)
+        tost = ttost_paired(d, np.zeros(len(d)), -equivalence, equivalence)[0]
+    return {"sign_p": float(sign), "tost_p": float(tost)}
+
+
 def endpoint_tests(
     rows: Sequence[dict],
     endpoints: Sequence[Sequence[str]],
@@ -158,70 +171,87 @@ def endpoint_tests(
     paired differences ``a - b`` of MCD on the BatchNorm network (rows with that ``eval_stats``),
     one group per :data:`GROUP_KEYS`: :func:`paired_differences`' fields plus ``role``
     (``"primary"`` for the first endpoint, else ``"secondary"``), ``eval_stats``, ``sign_p`` (the
-    exact two-sided sign test over the non-zero differences, ``scipy.stats.binomtest``; NaN when all
-    are 0) and ``holm_p`` (the paired t p-value, or the sign test's where every difference is equal,
-    Holm-adjusted over the secondaries as one family, ``statsmodels``' ``multipletests`` (Holm 1979,
-    Scand. J. Statist. 6:65-70); the primary's unadjusted) and ``tost_p``: the two one-sided paired
-    t-tests (TOST, Schuirmann 1987, J. Pharmacokinet. Biopharm. 15:657) that the mean difference
-    lies within ``± equivalence`` (in the metric's units: 0.01 = 1 pp), ``statsmodels``'
-    ``ttost_paired``; p < 0.05 shows equivalence.
+    exact two-sided sign test, ``scipy.stats.binomtest``; NaN when every difference is 0),
+    ``holm_p`` (the paired t p-value, or the sign test's where every difference is equal,
+    Holm-adjusted over the secondaries as one family, ``statsmodels``' ``multipletests``, Holm 1979,
+    Scand. J. Statist. 6:65-70; the primary's unadjusted) and ``tost_p`` (the two one-sided paired
+    t-tests, Schuirmann 1987, J. Pharmacokinet. Biopharm. 15:657, that the mean difference lies
+    within ``± equivalence``, in the metric's units; ``ttost_paired``; p < 0.05 shows equivalence).
 
     Raises:
         ValueError: an endpoint with no pairs in ``rows`` (named), and as
-        :func:`paired_differences`.
+            :func:`paired_differences`.
     """
     out = []
     for i, (a, b, metric, eval_stats) in enumerate(endpoints):
-        mine = [
-            r
-            for r in rows
-            if r.get("method") == "mcd"
-            and r.get("norm", "batch") == "batch"
-            and r.get("eval_stats", "running") == eval_stats
-        ]
+        mine = [r for r in rows if r.get("method") == "mcd" and r.get("norm", "batch") == "batch"]
+        mine = [r for r in mine if r.get("eval_stats", "running") == eval_stats]
         found = paired_differences(mine, a, b, metric, GROUP_KEYS, confidence)
         if not found:
             raise ValueError(
                 f"endpoint {a} - {b} ({metric}, {eval_stats} statistics) has no paired rows."
             )
-        for d in found:
-            nonzero = [x for x in d["diffs"] if x != 0]
-            sign = (
-                stats.binomtest(sum(x > 0 for x in nonzero), len(nonzero)).pvalue
-                if nonzero
-                else float("nan")
-            )
-            # equal differences: t = ±inf, p 0 or 1
-            with np.errstate(divide="ignore", invalid="ignore"):
-                tost = ttost_paired(
-                    np.asarray(d["diffs"], float),
-                    np.zeros(len(d["diffs"])),
-                    -equivalence,
-                    equivalence,
-                )[0]
-            out.append(
-                {
-                    **d,
-                    "role": "secondary" if i else "primary",
-                    "eval_stats": eval_stats,
-                    "sign_p": float(sign),
-                    "tost_p": float(tost),
-                }
-            )
+        role = "secondary" if i else "primary"
+        out += [
+            {**d, "role": role, "eval_stats": eval_stats, **_sign_and_tost(d["diffs"], equivalence)}
+            for d in found
+        ]
     second = [d for d in out if d["role"] == "secondary"]
     # a t-test p of NaN (every difference equal): the exact sign test's p instead (1 when they are
     # all 0)
-    p = [
-        (1.0 if math.isnan(d["sign_p"]) else d["sign_p"])
-        if math.isnan(d["p_value"])
-        else d["p_value"]
-        for d in second
-    ]
+    p = [d["sign_p"] if math.isnan(d["p_value"]) else d["p_value"] for d in second]
+    p = [1.0 if math.isnan(x) else x for x in p]
     for d, adjusted in zip(second, multipletests(p, method="holm")[1] if p else []):
         d["holm_p"] = float(adjusted)
     for d in out:
         d.setdefault("holm_p", d["p_value"])
     return out
+
+
+def _reml(d: np.ndarray, confidence: float) -> dict:
+    """The balanced one-way random-effects model of ``d`` ``(k splits, n seeds)`` by REML in closed
+    form (the one-way ANOVA's; Searle, Casella & McCulloch 1992, *Variance Components*, 3.6-3.7):
+    mu with its interval, tau, sigma, se and the prediction interval for a new split."""
+    k, n = d.shape
+    m = d.mean(1)  # (k,) split means
+    msb, msw = n * m.var(ddof=1), float(((d - m[:, None]) ** 2).sum()) / (k * (n - 1))
+    mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
+    sigma2 = msw if msb >= msw else float(d.var(ddof=1))
+    se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
+    half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
+    pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
+    return {
+        **{"mean": mu, "low": mu - half, "high": mu + half, "se": se},
+        **{
+            "tau": math.sqrt(tau2),
+            "sigma": math.sqrt(sigma2),
+            "pi_low": mu - pi,
+            "pi_high": mu + pi,
+        },
+    }
+
+
+def _covariate_fit(rows, pairs, where: set, covariate: str, metric: str) -> tuple[list, dict]:
+    """Per split its mean difference and the mean ``metric`` of method ``covariate`` there (NaN
+    where it did not run), and the split means regressed on it (``scipy.stats.linregress``; NaN with
+    fewer than 3 splits that have it)."""
+    cov = {}
+    for r in rows:
+        same_cell = (r.get("task"), r.get("protocol"), r.get("selection")) in where
+        if r.get("method") == covariate and r.get("norm", "batch") == "batch" and same_cell:
+            cov.setdefault(r["class_split"], []).append(float(r[metric]))
+    splits = []
+    for p in pairs:
+        value = float(np.mean(cov[p["class_split"]])) if p["class_split"] in cov else math.nan
+        mean, seeds = float(np.mean(p["diffs"])), len(p["diffs"])
+        splits.append(
+            {"class_split": p["class_split"], "mean": mean, "seeds": seeds, "covariate": value}
+        )
+    x, y = np.array([s["covariate"] for s in splits]), np.array([s["mean"] for s in splits])
+    x, y = x[np.isfinite(x)], y[np.isfinite(x)]
+    reg = stats.linregress(x, y) if x.size >= 3 and np.ptp(x) > 0 else None
+    fit = {"slope": reg.slope, "slope_p": reg.pvalue, "r": reg.rvalue} if reg else {}
+    return splits, {k: float(fit.get(k, math.nan)) for k in ("slope", "slope_p", "r")}
 
 
 def split_effects(
@@ -234,35 +264,27 @@ def split_effects(
 ) -> dict:
     """The effect ``a - b`` of MCD (BatchNorm network, running statistics) over class splits, with
     the split as a random effect: ``d_ij = mu + u_i + e_ij`` for split i and seed j,
-    ``u_i ~ N(0, tau^2)``, ``e_ij ~ N(0, sigma^2)``, fitted by REML. With the same number n >= 2 of
-    seeds in every split (a benchmark runs every seed on every split) REML has a closed form, the
-    one-way ANOVA's: ``sigma^2 = MSW``, ``tau^2 = (MSB - MSW) / n``, ``se(mu)^2 = MSB / (k n)`` when
-    MSB >= MSW, else ``tau^2 = 0`` and the pairs are i.i.d. (Searle, Casella & McCulloch 1992,
-    *Variance Components*, 3.6-3.7).
+    ``u_i ~ N(0, tau^2)``, ``e_ij ~ N(0, sigma^2)``, fitted by REML, in closed form with the same
+    number n >= 2 of seeds in every split (a benchmark runs every seed on every split).
 
     Returns:
         ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau``
         (the between-split SD), ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction
         interval for a new split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson &
         Spiegelhalter 2009, J. R. Stat. Soc. A 172:137), ``k`` splits, ``n`` pairs, ``splits`` (per
-        split: ``class_split``, ``mean`` difference, ``seeds``, ``covariate``: the mean ``metric``
-        of method ``covariate`` there, on the same task, protocol and selection; NaN where it did
-        not run) and ``slope``, ``slope_p``, ``r``: the split means regressed on the covariate
-        (``scipy.stats.linregress``, over the splits that have it; NaN with fewer than 3). All in
-        the metric's units (fractions).
+        split: ``class_split``, ``mean``, ``seeds``, ``covariate``: the mean ``metric`` of method
+        ``covariate`` there) and ``slope``, ``slope_p``, ``r``: the split means regressed on the
+        covariate. All in the metric's units (fractions).
 
     Raises:
         ValueError: fewer than 3 splits, a split with one seed (:func:`paired_differences`), splits
-            with different numbers of seeds, rows of more than one task, protocol or selection, and
-            as :func:`paired_differences`.
+            with different numbers of seeds, rows of more than one task, protocol or selection.
     """
-    mcd = [
-        r
+    running = [
+        r.get("norm", "batch") == "batch" and r.get("eval_stats", "running") == "running"
         for r in rows
-        if r.get("method") == "mcd"
-        and r.get("norm", "batch") == "batch"
-        and r.get("eval_stats", "running") == "running"
     ]
+    mcd = [r for r, ok in zip(rows, running) if ok and r.get("method") == "mcd"]
     pairs = paired_differences(mcd, a, b, metric, GROUP_KEYS, confidence)
     if len(where := {(d["task"], d["protocol"], d["selection"]) for d in pairs}) > 1:
         raise ValueError(
@@ -279,53 +301,7 @@ def split_effects(
             "split_effects needs the same number of seeds in every class split, got "
             f"{sizes}; run the same seeds on every split or leave the short splits out."
         )
-    d, n = np.concatenate([p["diffs"] for p in pairs]), len(pairs[0]["diffs"])
-    m = d.reshape(k, n).mean(1)  # REML in closed form: (k,) split means
-    msb, msw = n * m.var(ddof=1), float(((d.reshape(k, n) - m[:, None]) ** 2).sum()) / (k * (n - 1))
-    mu, tau2 = float(d.mean()), max(msb - msw, 0.0) / n
-    sigma2 = msw if msb >= msw else float(d.var(ddof=1))
-    se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
-    half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
-    pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
-    cov = {}
-    for r in rows:
-        if (
-            r.get("method") == covariate
-            and r.get("norm", "batch") == "batch"
-            and (r.get("task"), r.get("protocol"), r.get("selection")) in where
-        ):
-            cov.setdefault(r["class_split"], []).append(float(r[metric]))
-    splits = [
-        {
-            "class_split": p["class_split"],
-            "mean": float(np.mean(p["diffs"])),
-            "seeds": len(p["diffs"]),
-            "covariate": float(np.mean(cov[p["class_split"]]))
-            if p["class_split"] in cov
-            else float("nan"),
-        }
-        for p in pairs
-    ]
-    x, y = np.array([s["covariate"] for s in splits]), np.array([s["mean"] for s in splits])
-    x, y = x[np.isfinite(x)], y[np.isfinite(x)]
-    reg = stats.linregress(x, y) if x.size >= 3 and np.ptp(x) > 0 else None
-    return {
-        "a": a,
-        "b": b,
-        "metric": metric,
-        "mean": mu,
-        "low": mu - half,
-        "high": mu + half,
-        "se": se,
-        "tau": math.sqrt(tau2),
-        "sigma": math.sqrt(sigma2),
-        "pi_low": mu - pi,
-        "pi_high": mu + pi,
-        "k": k,
-        "n": int(d.size),
-        "splits": splits,
-        "covariate": covariate,
-        "slope": float(reg.slope) if reg else float("nan"),
-        "slope_p": float(reg.pvalue) if reg else float("nan"),
-        "r": float(reg.rvalue) if reg else float("nan"),
-    }
+    d = np.array([p["diffs"] for p in pairs])  # (k splits, n seeds)
+    splits, fit = _covariate_fit(rows, pairs, where, covariate, metric)
+    about = {"a": a, "b": b, "metric": metric, "k": k, "n": int(d.size), "covariate": covariate}
+    return {**about, **_reml(d, confidence), "splits": splits, **fit}

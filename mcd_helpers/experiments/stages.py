@@ -31,9 +31,8 @@ from .cache import cache_key, cached
 from .config import check_batch_sizes
 from .loop import History, train
 
-RECALIBRATION_IMAGES = (
-    10_000  # eval statistics "recalibrated": from the first 10,000 labeled images
-)
+# eval statistics "recalibrated": from the first 10,000 labeled images
+RECALIBRATION_IMAGES = 10_000
 
 
 @dataclasses.dataclass
