@@ -436,71 +436,8 @@ def infinite_loader(loader) -> Iterator:
             )
 
 
-# ---- the order batches are drawn in --------------------------------------------------------------
-
-PRETRAIN, LABELED, UNLABELED = 0, 1, 2  # the streams of a run's data order
-
-
 def set_seed(seed: int) -> None:
     """Seed Python's, NumPy's and PyTorch's generators (CPU and every CUDA device)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-class Batches:
-    """Batches of shuffled passes over ``n`` samples, a pure function of (seed, stream, pass).
-
-    Pass ``p`` is ``torch.randperm(n)`` from a generator seeded with NumPy's ``SeedSequence([seed,
-    stream, p])`` (nearby seeds, streams and passes stay independent); batch ``i`` is
-    ``perm[i*B:(i+1)*B]``, a last incomplete batch dropped. So a resumed run finds its batch by
-    arithmetic. Rank ``r`` of ``W`` takes ``[r::W]`` of it: the ranks' shares are disjoint and
-    together the single-process batch.
-
-    Raises:
-        ValueError: ``batch_size`` not in ``[1, n]`` or not a multiple of ``world_size``.
-    """
-
-    def __init__(
-        self, n: int, batch_size: int, seed: int, stream: int, device="cpu", rank=0, world_size=1
-    ):
-        if not 1 <= batch_size <= n:
-            raise ValueError(
-                f"batch_size must be between 1 and the data set's size {n}, got {batch_size}."
-            )
-        if batch_size % world_size:
-            raise ValueError(
-                f"the global batch size {batch_size} must be a multiple of "
-                f"--nproc_per_node={world_size}."
-            )
-        self.n = n
-        self.batch_size = batch_size
-        self.per_pass = n // batch_size
-        self.seed = seed
-        self.stream = stream
-        self.device = device
-        self.rank = rank
-        self.world_size = world_size
-        self._pass = None
-        self._perm = None
-
-    def permutation(self, p: int) -> torch.Tensor:
-        """The order of pass ``p``: a permutation of ``range(n)``, ``(n,)``."""
-        if p != self._pass:
-            sequence = np.random.SeedSequence([self.seed, self.stream, p])
-            state = sequence.generate_state(1, dtype=np.uint64)[0]
-            g = torch.Generator().manual_seed(int(state >> 1))
-            self._perm = torch.randperm(self.n, generator=g).to(self.device)
-            self._pass = p
-        return self._perm
-
-    def batch(self, p: int, i: int) -> torch.Tensor:
-        """This rank's indices of batch ``i`` of pass ``p``, ``(B / W,)``."""
-        if not 0 <= i < self.per_pass:
-            raise IndexError(f"a pass has {self.per_pass} batches, asked for batch {i}.")
-        rows = self.permutation(p)[i * self.batch_size : (i + 1) * self.batch_size]
-        return rows[self.rank :: self.world_size]
-
-    def batch_at(self, k: int) -> torch.Tensor:
-        """Batch ``k`` of the endless stream of passes."""
-        return self.batch(*divmod(k, self.per_pass))

@@ -21,10 +21,9 @@ from signal_on_call import signal_on_call
 from torch import nn
 
 import mcd_helpers.experiments.loop as train_mod
-from mcd_helpers.data import LABELED, UNLABELED, Batches
 from mcd_helpers.errors import ConfigError, TrainingInterrupted
 from mcd_helpers.experiments.config import MCDConfig
-from mcd_helpers.experiments.loop import train
+from mcd_helpers.experiments.loop import LABELED, UNLABELED, Batches, train
 from mcd_helpers.models import TwoHeadNet, predict_logits, small_cnn
 from mcd_helpers.splits import transductive_split
 

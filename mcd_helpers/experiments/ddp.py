@@ -2,8 +2,8 @@
 a no-op.
 
 Each rank takes ``batch[rank::world]`` of the single-process batch
-(:class:`mcd_helpers.data.Batches`), the ranks' BatchNorm statistics are averaged before an
-evaluation, and scores are gathered. Why: notebook 06.
+(:class:`mcd_helpers.experiments.loop.Batches`), the ranks' BatchNorm statistics are averaged before
+an evaluation, and scores are gathered. Why: notebook 06.
 """
 
 import datetime

@@ -15,8 +15,8 @@ bottom.
   iteration (Step A, then Step B) or Step B alone (``cfg.schedule``), with the batches fed as the
   strategy's row of :data:`mcd_helpers.strategies.STRATEGIES` says. One SGD optimizer through all
   epochs.
-* **Data order** is a pure function of the seed (:class:`mcd_helpers.data.Batches`), so a resumed
-  run finds its batch by arithmetic; under torchrun each rank takes ``batch[rank::world]``.
+* **Data order** is a pure function of the seed (:class:`Batches`), so a resumed run finds its
+  batch by arithmetic; under torchrun each rank takes ``batch[rank::world]``.
 * **Checkpoints**: one file written atomically (model, optimizer, scheduler, torch RNG, position,
   history, best weights); ``resume=True`` continues exactly. SIGTERM or SIGINT (Ctrl-C) finishes
   the step in progress, saves and raises :class:`~mcd_helpers.errors.TrainingInterrupted`; a second
@@ -36,11 +36,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..data import LABELED, PRETRAIN, UNLABELED, Batches
 from ..errors import ConfigError, TrainingInterrupted
 from ..losses import discrepancy_score, supervised_loss
 from ..metrics import ood_metrics
@@ -48,6 +48,66 @@ from ..models import predict_logits
 from ..strategies import get_strategy, mcd_step, train_mode
 from . import ddp
 from .files import load_state, save_state
+
+PRETRAIN, LABELED, UNLABELED = 0, 1, 2  # the streams of a run's data order
+
+
+class Batches:
+    """Batches of shuffled passes over ``n`` samples, a pure function of (seed, stream, pass).
+
+    Pass ``p`` is ``torch.randperm(n)`` from a generator seeded with NumPy's ``SeedSequence([seed,
+    stream, p])`` (nearby seeds, streams and passes stay independent); batch ``i`` is
+    ``perm[i*B:(i+1)*B]``, a last incomplete batch dropped. So a resumed run finds its batch by
+    arithmetic. Rank ``r`` of ``W`` takes ``[r::W]`` of it: the ranks' shares are disjoint and
+    together the single-process batch.
+
+    Raises:
+        ValueError: ``batch_size`` not in ``[1, n]`` or not a multiple of ``world_size``.
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, seed: int, stream: int, device="cpu", rank=0, world_size=1
+    ):
+        if not 1 <= batch_size <= n:
+            raise ValueError(
+                f"batch_size must be between 1 and the data set's size {n}, got {batch_size}."
+            )
+        if batch_size % world_size:
+            raise ValueError(
+                f"the global batch size {batch_size} must be a multiple of "
+                f"--nproc_per_node={world_size}."
+            )
+        self.n = n
+        self.batch_size = batch_size
+        self.per_pass = n // batch_size
+        self.seed = seed
+        self.stream = stream
+        self.device = device
+        self.rank = rank
+        self.world_size = world_size
+        self._pass = None
+        self._perm = None
+
+    def permutation(self, p: int) -> torch.Tensor:
+        """The order of pass ``p``: a permutation of ``range(n)``, ``(n,)``."""
+        if p != self._pass:
+            sequence = np.random.SeedSequence([self.seed, self.stream, p])
+            state = sequence.generate_state(1, dtype=np.uint64)[0]
+            g = torch.Generator().manual_seed(int(state >> 1))
+            self._perm = torch.randperm(self.n, generator=g).to(self.device)
+            self._pass = p
+        return self._perm
+
+    def batch(self, p: int, i: int) -> torch.Tensor:
+        """This rank's indices of batch ``i`` of pass ``p``, ``(B / W,)``."""
+        if not 0 <= i < self.per_pass:
+            raise IndexError(f"a pass has {self.per_pass} batches, asked for batch {i}.")
+        rows = self.permutation(p)[i * self.batch_size : (i + 1) * self.batch_size]
+        return rows[self.rank :: self.world_size]
+
+    def batch_at(self, k: int) -> torch.Tensor:
+        """Batch ``k`` of the endless stream of passes."""
+        return self.batch(*divmod(k, self.per_pass))
 
 
 @dataclass
