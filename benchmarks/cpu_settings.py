@@ -24,8 +24,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from mcd_helpers.config import native_bf16
 
+from mcd_helpers.experiments.config import native_bf16
 from mcd_helpers.models import small_cnn
 
 

@@ -4,9 +4,9 @@ throughput.
 The paper's network on the project's offline ID set: a short pre-training (so that the
 validation AUROC means something), then a few hundred fine-tuning iterations (official schedule:
 Step A + Step B) per Step B strategy, through the package's own training loop,
-``mcd_helpers.train.train``. Times are wall-clock with ``torch.cuda.synchronize()`` around each
-timed part; the first ``--warmup`` iterations (cuDNN autotuning, allocator growth) are run and not
-timed.
+``mcd_helpers.experiments.loop.train``. Times are wall-clock with ``torch.cuda.synchronize()``
+around each timed part; the first ``--warmup`` iterations (cuDNN autotuning, allocator growth) are
+run and not timed.
 
 Prepare the data here and carry it to the GPU machine (no data sets there, no network)::
 
@@ -40,13 +40,18 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcd_helpers.config import MCDConfig  # noqa: E402
-from mcd_helpers.train import predict_logits, set_seed, train  # noqa: E402
-
-from mcd_helpers.data import FMNIST_MEAN, FMNIST_STD, load_fashion_mnist, load_ood  # noqa: E402
+from mcd_helpers.data import (  # noqa: E402
+    FMNIST_MEAN,
+    FMNIST_STD,
+    load_fashion_mnist,
+    load_ood,
+    set_seed,
+)
+from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.experiments.loop import train  # noqa: E402
 from mcd_helpers.losses import discrepancy_score  # noqa: E402
 from mcd_helpers.metrics import ood_metrics  # noqa: E402
-from mcd_helpers.models import build_model  # noqa: E402
+from mcd_helpers.models import build_model, predict_logits  # noqa: E402
 from mcd_helpers.splits import transductive_split  # noqa: E402
 
 

@@ -34,8 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mcd_helpers.config import PRESETS  # noqa: E402
-
+from mcd_helpers.experiments.config import PRESETS  # noqa: E402
 from mcd_helpers.losses import supervised_loss  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
 

@@ -13,8 +13,8 @@ two loops run the same work, the official iteration (Step A, then Step B, SGD):
 * ``raw``: :func:`raw_loop`, the lines a user would write: ``DataLoader``s over the tensors, the
   losses written out, no checks, no logging; after the epoch the official solver's validation
   (the discrepancy-score AUROC on the validation split, scikit-learn's ``roc_auc_score``).
-* ``mcd_helpers``: :func:`mcd_helpers.train.train` for one epoch of ``steps`` iterations (with
-  its model selection on a 1+1-image validation split, and without checkpoints: their cost is
+* ``mcd_helpers``: :func:`mcd_helpers.experiments.loop.train` for one epoch of ``steps`` iterations
+  (with its model selection on a 1+1-image validation split, and without checkpoints: their cost is
   measured on its own and given in the notes).
 
 Measured alternating: in each round both loops run one block of ``steps`` iterations, in turns
@@ -50,10 +50,9 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mcd_helpers.config import MCDConfig  # noqa: E402
-from mcd_helpers.files import save_state  # noqa: E402
-from mcd_helpers.train import train  # noqa: E402
-
+from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.experiments.files import save_state  # noqa: E402
+from mcd_helpers.experiments.loop import train  # noqa: E402
 from mcd_helpers.memory import SavedTensorMeter  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
 from mcd_helpers.splits import Split  # noqa: E402

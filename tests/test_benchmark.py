@@ -141,9 +141,7 @@ def test_every_split_is_checked_before_any_training(tmp_path, tmp_data_dir, monk
     monkeypatch.setattr(
         stages, "train", lambda *a, **k: pytest.fail("trained before every split was checked")
     )
-    with pytest.raises(
-        ConfigError, match=r"batch_size_unsup=5000 is larger than the \d+ unlabeled images of"
-    ) as err:
+    with pytest.raises(ConfigError, match=r"batch_size_unsup=5000\b.*\b\d+ unlabeled\b") as err:
         run_benchmark("x", tmp_path / "out", seeds=2, progress=False, quiet=True)
     assert err.value.field == "batch_size_unsup"
 
@@ -266,9 +264,7 @@ def test_resuming_cells_written_with_other_settings_is_refused(tiny, tmp_path, m
     )
     with pytest.raises(
         ConfigError,
-        match=r"near-ood_a_heldout_transductive_seed0\.json was written with other settings "
-        r"than this run's .* Resume with the interrupted run's settings, or pass "
-        r"--fresh\.",
+        match=r"near-ood_a_heldout_transductive_seed0\.json.*--fresh",
     ) as err:
         run_benchmark(
             TINY,

@@ -123,9 +123,8 @@ def test_notebook_in_jupyterlab(path, lab, browser):
             f"{path.name}: kernel time {sum(c['seconds'] or 0 for c in cells):.0f} s; "
             "slowest cells " + ", ".join(f"[{c['count']}] {c['seconds']:.1f} s" for c in slow)
         )
-        errors = [(c["index"], c["count"], e) for c in cells for e in c["errors"]]
-        assert not errors, "error output in cell {} [{}]:\n{}".format(*errors[0])
-        assert not any(o["type"] == "error" for c in cells for o in c["outputs"])
+        # an error in a cell is the headless run's to find (tests/test_notebooks.py); here: what
+        # JupyterLab shows of the outputs
         assert not (problems := _rendering_problems(cells)), "\n".join(problems)
 
         svgs = [s for c in cells for s in c["svgs"]]

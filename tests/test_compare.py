@@ -257,7 +257,7 @@ def test_report_and_table_show_the_numbers():
         f"{c.max_running_stat_diff:.2g} | +1 vs +2 | DIFFERENT |"
     )
     assert table[3].endswith("| - | same |") and len(table) == 4
-    with pytest.raises(ValueError, match="comparison_table needs at least one comparison"):
+    with pytest.raises(ValueError, match="comparison_table"):
         comparison_table({})
 
 
@@ -282,7 +282,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             None,
             TypeError,
-            r"batches must be a non-empty list of input tensors",
+            r"batches.*\[x_1, \.\.\., x_k\]",
         ),
         (
             mlp(),
@@ -290,7 +290,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             None,
             ValueError,
-            r"batches must be a non-empty list of input tensors",
+            r"batches.*\[x_1, \.\.\., x_k\]",
         ),
         (
             mlp(),
@@ -298,7 +298,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             None,
             TypeError,
-            "batch 1 must be a torch.Tensor, got str",
+            r"batch 1\b.*torch\.Tensor.*\bstr\b",
         ),
         (
             mlp(),
@@ -314,10 +314,10 @@ class PoolsOverBatch(nn.Module):
             weighted,
             None,
             ValueError,
-            "batch 1 .*torch.float64 does not match",
+            r"batch 1 \(2, 5\) torch\.float64.*batch 0 \(2, 5\) torch\.float32",
         ),
-        (mlp(), [torch.zeros(0, 5)], weighted, None, ValueError, "batches must be non-empty"),
-        (mlp(), xs(2, 2), "mean", None, TypeError, "loss_fn must be callable .*got str"),
+        (mlp(), [torch.zeros(0, 5)], weighted, None, ValueError, r"batch 0 \(0, 5\)"),
+        (mlp(), xs(2, 2), "mean", None, TypeError, r"loss_fn.*\bstr\b"),
         (
             nn.Sequential(nn.LazyLinear(3)),
             xs(2, 2),
@@ -332,7 +332,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             torch.int64,
             ValueError,
-            "dtype must be a floating torch.dtype.*got torch.int64",
+            r"dtype.*torch\.int64",
         ),
         (
             mlp(),
@@ -340,7 +340,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             "float64",
             TypeError,
-            "dtype must be a floating torch.dtype.*got 'float64'",
+            r"dtype.*'float64'",
         ),
         (
             mlp(),
@@ -348,7 +348,7 @@ class PoolsOverBatch(nn.Module):
             lambda o: torch.cat(o).sum(0),
             None,
             ValueError,
-            r"scalar tensor, got torch.Size\(\[3\]\)",
+            r"loss_fn.*torch\.Size\(\[3\]\)",
         ),
         (
             mlp(),
@@ -356,7 +356,7 @@ class PoolsOverBatch(nn.Module):
             lambda o: weighted(o).detach(),
             None,
             ValueError,
-            "loss_fn's loss has no grad_fn: do not detach it",
+            r"grad_fn.*no_grad\(\)",
         ),
         (
             PoolsOverBatch().double(),
@@ -364,7 +364,7 @@ class PoolsOverBatch(nn.Module):
             weighted,
             None,
             ValueError,
-            "first axis must be the total batch size 5",
+            r"\(2, 3\).*\b5\b",
         ),
     ],
 )
@@ -378,15 +378,15 @@ def test_compare_forwards_refuses_what_it_cannot_compare(
 @pytest.mark.parametrize(
     "change, error, match",
     [
-        (dict(x_sup=None), TypeError, "batch 0 must be a torch.Tensor, got NoneType"),
-        (dict(y_sup=[0, 1, 2, 0]), TypeError, "y_sup must be a torch.Tensor of labels, got list"),
+        (dict(x_sup=None), TypeError, r"batch 0\b.*NoneType"),
+        (dict(y_sup=[0, 1, 2, 0]), TypeError, r"y_sup.*\blist\b"),
         (
             dict(y_sup=torch.tensor([0, 1, 2])),
             ValueError,
-            r"targets must have shape \(4,\) to match the logits, got \(3,\)",
+            r"targets.*\(4,\).*\(3,\)",
         ),
-        (dict(y_sup=torch.tensor([0, 1, 2, 5])), ValueError, r"labels must lie in \[0, 3\)"),
-        (dict(margin=-1.0), ValueError, "margin must be a finite number >= 0"),
+        (dict(y_sup=torch.tensor([0, 1, 2, 5])), ValueError, r"labels.*\[0, 3\).*\[5\]"),
+        (dict(margin=-1.0), ValueError, r"margin.*-1\.0"),
     ],
 )
 def test_compare_strategies_refuses_bad_labels_and_margins(change, error, match):
@@ -412,5 +412,5 @@ def test_coupling_matrix_against_the_full_jacobian(norm, coupled):
     assert (off.min() > 0) if coupled else (off.abs().max() == 0)
     if coupled:  # it ran on a copy: the caller's BatchNorm did not update
         assert int(model.norm.num_batches_tracked) == 0 and model.norm.running_mean.abs().max() == 0
-    with pytest.raises(ValueError, match=r"x must be a batch tensor \(N, \.\.\.\) with N >= 1"):
+    with pytest.raises(ValueError, match=r"^x\b.*\(N, \.\.\.\).*N >= 1"):
         coupling_matrix(model, x[:0])

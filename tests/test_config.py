@@ -64,7 +64,7 @@ def test_the_defaults_are_valid_and_tuple_fields_become_tuples():
     ],
 )
 def test_a_choice_outside_its_list(field, value, valid):
-    refused(field, f"{field} must be one of {valid}, got '{value}'", **{field: value})
+    refused(field, f"{re.escape(valid)}.*'{value}'", **{field: value})
 
 
 def test_amp_auto_is_bf16_where_the_device_has_native_bf16_and_the_cache_keys_hold_what_trains(
@@ -146,7 +146,7 @@ def test_a_number_below_its_bound_or_not_a_number(field, value, low):
         (dict(model="densenet_bc_100", norm="group"), "norm", "norm='group'"),
         (dict(sync_bn=True), "sync_bn", "device 'cpu'"),
         (dict(pretrain_milestones=(2, -1)), "pretrain_milestones", ">= 0"),
-        (dict(ood_sets=()), "ood_sets", "at least one"),
+        (dict(ood_sets=()), "ood_sets", "OOD set"),
         (dict(id_dataset="cifar10", class_split="a"), "class_split", "'cifar10'"),
         (dict(protocol="disjoint"), "protocol", "'disjoint'"),
         (dict(odin_temperatures=()), "odin_temperatures", "got ()"),
@@ -306,12 +306,11 @@ def test_get_preset_copies_and_overrides():
     assert (cfg.finetune_lr, cfg.seed) == (0.1, 4) and PRESETS[
         "paper-cifar10-densenet"
     ].finetune_lr == 0.01
-    with pytest.raises(ConfigError, match="finetune_lr must be a number > 0"):
+    with pytest.raises(ConfigError, match=r"finetune_lr.*\b0\.0\b"):
         get_preset("quick", finetune_lr=0.0)  # overrides are checked too
     with pytest.raises(
         KeyError,
-        match="unknown preset 'paper'; known presets: quick, quick-step-b, notebook, "
-        "notebook-quick, paper-cifar10-densenet",
+        match="'paper'.*quick, quick-step-b, notebook, notebook-quick, paper-cifar10-densenet",
     ):
         get_preset("paper")
     with pytest.raises(TypeError, match="learning_rate"):

@@ -8,6 +8,7 @@ import itertools
 import math
 import os
 import pickle
+import re
 import tarfile
 import urllib.request
 from pathlib import Path
@@ -90,8 +91,8 @@ def test_cache_dir_is_the_data_folder_then_the_fallback(tmp_data_dir, tmp_path, 
     monkeypatch.setattr(data, "writable", lambda f: False)
     with pytest.raises(
         PermissionError,
-        match=f"neither the data folder {tmp_data_dir} nor the cache folder "
-        f"{tmp_path / 'fallback'} can be written; set MCD_CACHE_DIR",
+        match=f"{re.escape(str(tmp_data_dir))}.*{re.escape(str(tmp_path / 'fallback'))}.*"
+        "MCD_CACHE_DIR",
     ):
         data.cache_dir()
 
@@ -159,17 +160,13 @@ def test_read_idx(tmp_path, gz, array):
 
 # (file name, bytes written, the problem the message names); the file: 16 header + 160 bytes
 DAMAGES = [
-    ("f", lambda b: b[:-5], r"is cut short: 171 bytes, its header's shape \(5, 4, 8\) needs 176"),
-    ("f", lambda b: b[:6], r"is cut short: 6 bytes, its header's shape None needs 16"),
-    ("f", lambda b: b + b"\0" * 3, "is longer than its header says: 179 bytes"),
-    (
-        "f",
-        lambda b: b"\0\0\x09\x03" + b[4:],
-        "is not an IDX file of images or labels: its first bytes are 00000903",
-    ),
-    ("f", lambda b: b"", "its first bytes are missing"),
-    ("f.gz", lambda b: b, r"is cut short or not gzip \(BadGzipFile: "),
-    ("f.gz", lambda b: gzip.compress(b)[:-30], r"is cut short or not gzip \(EOFError: "),
+    ("f", lambda b: b[:-5], r"\b171 bytes\b.*\(5, 4, 8\).*\b176\b"),
+    ("f", lambda b: b[:6], r"\b6 bytes\b.*\bNone\b.*\b16\b"),
+    ("f", lambda b: b + b"\0" * 3, r"\b179 bytes\b.*\(5, 4, 8\).*\b176\b"),
+    ("f", lambda b: b"\0\0\x09\x03" + b[4:], r"\b00000903\b"),
+    ("f", lambda b: b"", r"\bmissing\b"),
+    ("f.gz", lambda b: b, r"\bBadGzipFile\b"),
+    ("f.gz", lambda b: gzip.compress(b)[:-30], r"\bEOFError\b"),
 ]
 
 
@@ -178,7 +175,9 @@ def test_read_idx_names_the_damage_and_the_fix(tmp_path, name, damage, problem):
     (tmp_path / name).write_bytes(
         damage(idx_bytes(np.random.RandomState(0).randint(0, 256, (5, 4, 8))))
     )
-    with pytest.raises(DataNotFoundError, match=f"{tmp_path / name}.*{problem}.*Do this"):
+    with pytest.raises(
+        DataNotFoundError, match=f"{re.escape(str(tmp_path / name))}.*{problem}.*Do this"
+    ):
         read_idx(tmp_path / name, fix="Do this.")
 
 
@@ -249,11 +248,9 @@ def test_missing_fashion_mnist_names_every_place_and_the_download_error(
     with pytest.raises(
         DataNotFoundError,
         match=(
-            "FashionMNIST was not found. Looked in: "
-            f"{tmp_data_dir / 'FashionMNIST' / 'raw'}/ .*; {no_debian} "
-            r"\(`sudo apt-get install dataset-fashion-mnist`\) \(\$MCD_DATA_DIR = "
-            rf"{tmp_data_dir}\); torchvision's "
-            r"download failed \(OSError: no network in tests\). Go online or put the files there"
+            f"FashionMNIST.*{re.escape(str(tmp_data_dir / 'FashionMNIST' / 'raw'))}/.*"
+            f"{re.escape(str(no_debian))}.*sudo apt-get install dataset-fashion-mnist.*"
+            rf"\$MCD_DATA_DIR = {re.escape(str(tmp_data_dir))}.*OSError: no network in tests"
         ),
     ):
         data.load_fashion_mnist(train=False)
@@ -263,9 +260,10 @@ def test_missing_fashion_mnist_names_every_place_and_the_download_error(
 @pytest.mark.parametrize(
     "damage, problem",
     [
-        (lambda b: b[:-100], "cut short"),
-        (lambda b: b"\1" + b[1:], "not an IDX"),
-        (lambda b: b + b"\0", "longer than its header says"),
+        # t10k images: 3 of 28x28, 16 + 3 * 784 = 2368 bytes
+        (lambda b: b[:-100], r"\b2268 bytes\b.*\(3, 28, 28\).*\b2368\b"),
+        (lambda b: b"\1" + b[1:], r"\b01000803\b"),
+        (lambda b: b + b"\0", r"\b2369 bytes\b.*\(3, 28, 28\).*\b2368\b"),
     ],
 )
 def test_a_damaged_fashion_mnist_file_is_named_with_the_fix(
@@ -277,19 +275,19 @@ def test_a_damaged_fashion_mnist_file_is_named_with_the_fix(
     path = folder / "t10k-images-idx3-ubyte.gz"
     path.write_bytes(gzip.compress(damage(gzip.decompress(path.read_bytes()))))
     fix = (
-        f"Delete it and put a good copy in {folder}"
+        re.escape(str(folder))
         if where == "data"
-        else r"Reinstall it: `sudo apt-get install --reinstall dataset-fashion-mnist`"
+        else "sudo apt-get install --reinstall dataset-fashion-mnist"
     )
-    with pytest.raises(DataNotFoundError, match=f"{path}.*{problem}.*{fix}"):
+    with pytest.raises(DataNotFoundError, match=f"{re.escape(str(path))}.*{problem}.*{fix}"):
         data.load_fashion_mnist(train=False)
 
 
 @pytest.mark.parametrize(
     "images, labels, shapes",
     [
-        (np.zeros((3, 27, 28)), np.zeros(3), r"\(3, 27, 28\).*\(3,\), labels up to 0"),
-        (np.zeros((3, 28, 28)), np.array([0, 10, 1]), r"labels up to 10"),
+        (np.zeros((3, 27, 28)), np.zeros(3), r"\(3, 27, 28\).*\(3,\)"),
+        (np.zeros((3, 28, 28)), np.array([0, 10, 1]), r"\(3, 28, 28\).*\(3,\).*\b10\b"),
         (np.zeros((3, 28, 28)), np.zeros(2), r"\(3, 28, 28\).*\(2,\)"),
     ],
 )
@@ -299,9 +297,7 @@ def test_files_of_another_shape_are_refused(tmp_data_dir, no_debian, images, lab
     # the extracted files are read first
     write_idx(raw / "t10k-images-idx3-ubyte", images, gz=False)
     write_idx(raw / "t10k-labels-idx1-ubyte", labels, gz=False)
-    with pytest.raises(
-        DataNotFoundError, match=f"{shapes}.*are not 28x28 images with a label 0-9 each. Delete it"
-    ):
+    with pytest.raises(DataNotFoundError, match=f"{shapes}.*28x28.*0-9"):
         data.load_fashion_mnist(train=False)
 
 
@@ -342,8 +338,7 @@ def test_mnist_is_read_from_the_data_folder_and_its_absence_is_named(tmp_data_di
     monkeypatch.setattr(torchvision.datasets, "MNIST", lambda *a, **k: _no_network())
     with pytest.raises(
         DataNotFoundError,
-        match=f"MNIST was not found. Looked in: {tmp_data_dir / 'MNIST' / 'raw'}/ "
-        r"\(.gz or extracted\) \(\$MCD_DATA_DIR",
+        match=rf"MNIST.*{re.escape(str(tmp_data_dir / 'MNIST' / 'raw'))}/.*\$MCD_DATA_DIR",
     ):
         load_ood("mnist")
     want = fake_set(tmp_data_dir / "MNIST" / "raw", names=("t10k",), n=(5,))["t10k"][0]
@@ -414,9 +409,8 @@ def test_a_corrupt_cifar_batch_names_the_folder_and_the_archive(tmp_data_dir, mo
         f.write(b"garbage")
     with pytest.raises(
         DataNotFoundError,
-        match=f"{tmp_data_dir / CIFAR10.base_folder} is incomplete or corrupt "
-        f".*Delete it and cifar-10-python.tar.gz to download "
-        f"{CIFAR10.url} \\(MD5 c58f30108f718f92721af3b95e74349a\\)",
+        match=f"{re.escape(str(tmp_data_dir / CIFAR10.base_folder))}.*"
+        rf"cifar-10-python\.tar\.gz.*{re.escape(CIFAR10.url)}.*c58f30108f718f92721af3b95e74349a",
     ):
         load_id("cifar10", train=False)
 
@@ -448,19 +442,17 @@ def test_cifar_archive_errors(tmp_data_dir):
     with pytest.raises(
         DataNotFoundError,
         match=(
-            "CIFAR100 was not found: looked for cifar-100-python/ and "
-            f"cifar-100-python.tar.gz in {tmp_data_dir}; "
-            rf"fetching {CIFAR100.url} failed \(OSError: no network in tests\). Put "
-            rf"cifar-100-python.tar.gz \(MD5 eb9058c3a382ffc7106e4002c42a8d85\) in {tmp_data_dir}"
+            f"CIFAR100.*{re.escape(CIFAR100.url)}.*OSError: no network in tests.*"
+            r"cifar-100-python\.tar\.gz.*eb9058c3a382ffc7106e4002c42a8d85.*"
+            f"{re.escape(str(tmp_data_dir))}"
         ),
     ):
         load_id("cifar100", train=False)
     (tmp_data_dir / "cifar-10-python.tar.gz").write_bytes(b"not an archive")
     with pytest.raises(
         DataNotFoundError,
-        match=f"{tmp_data_dir / 'cifar-10-python.tar.gz'} is corrupt \\(MD5 "
-        f"not c58f30108f718f92721af3b95e74349a\\); delete it and "
-        f"download {CIFAR10.url} again",
+        match=f"{re.escape(str(tmp_data_dir / 'cifar-10-python.tar.gz'))}.*"
+        f"c58f30108f718f92721af3b95e74349a.*{re.escape(CIFAR10.url)}",
     ):
         load_id("cifar10", train=True)
 
@@ -470,30 +462,31 @@ def test_cifar_archive_errors(tmp_data_dir):
     [
         (
             lambda: load_id("cifar1000", train=True),
-            r"'cifar1000' is no CIFAR data set \(cifar10, cifar100; load_id also "
-            r"takes fashion_mnist\)",
+            "'cifar1000'.*cifar10, cifar100.*fashion_mnist",
         ),
         (
             lambda: data.load_cifar("svhn", train=True),
-            r"'svhn' is no CIFAR data set \(cifar10, cifar100;",
+            "'svhn'.*cifar10, cifar100",
         ),
         (
             lambda: load_ood("svhn"),
-            "unknown OOD set 'svhn' for fashion_mnist; choose from digits, photo_crops, gaussian, "
-            "uniform, mnist",
+            "'svhn'.*fashion_mnist.*digits, photo_crops, gaussian, uniform, mnist",
         ),
         (
             lambda: load_ood("digits", id_dataset="cifar10"),
-            "unknown OOD set 'digits' for cifar10; choose from Imagenet, "
-            "Imagenet_resize, LSUN, LSUN_resize, iSUN, gaussian, uniform",
+            "'digits'.*cifar10.*Imagenet, Imagenet_resize, LSUN, LSUN_resize, iSUN, gaussian, "
+            "uniform",
         ),
-        (lambda: load_ood("gaussian", id_dataset="svhn"), r"choose from none \(unknown ID set\)"),
-        (lambda: load_ood("uniform", n=0), "at least one sample, got n=0"),
+        (
+            lambda: load_ood("gaussian", id_dataset="svhn"),
+            r"'gaussian'.*svhn.*none \(unknown ID set\)",
+        ),
+        (lambda: load_ood("uniform", n=0), r"\bn=0\b"),
         (
             lambda: odin_noise("salt", 3, (1, 2, 2)),
-            "gaussian or uniform with n >= 1 samples, got 'salt', n=3",
+            "gaussian.*uniform.*n >= 1.*'salt', n=3",
         ),
-        (lambda: odin_noise("uniform", 0, (1, 2, 2)), "got 'uniform', n=0"),
+        (lambda: odin_noise("uniform", 0, (1, 2, 2)), r"'uniform', n=0\b"),
     ],
 )
 def test_bad_names_and_sizes(call, match):
@@ -561,9 +554,7 @@ def test_an_archive_fetched_half_way_leaves_nothing_in_place_and_a_whole_one_is_
     monkeypatch.setattr(
         tv_utils, "download_and_extract_archive", lambda *a, **k: fetch(*a, **k, fail=True)
     )
-    with pytest.raises(
-        DataNotFoundError, match=r"fetching .* failed \(OSError: the connection dropped\)"
-    ):
+    with pytest.raises(DataNotFoundError, match="iSUN.*OSError: the connection dropped"):
         load_ood("iSUN", id_dataset="cifar10")
     # no half folder
     assert not (tmp_data_dir / "iSUN").exists() and not list(tmp_data_dir.glob(".partial-*"))
@@ -581,25 +572,23 @@ def test_odin_folder_errors(tmp_data_dir):
     with pytest.raises(
         DataNotFoundError,
         match=(
-            "ODIN's iSUN set was not found: looked for iSUN/ and iSUN.tar.gz in "
-            f"{tmp_data_dir}; fetching "
-            rf"{url_isun} failed \(OSError: no network in tests\). Put iSUN.tar.gz \(MD5 "
-            rf"{md5_isun}\)"
+            f"iSUN.*{re.escape(str(tmp_data_dir))}.*{re.escape(url_isun)}.*"
+            rf"OSError: no network in tests.*iSUN\.tar\.gz.*{md5_isun}"
         ),
     ):
         load_ood("iSUN", id_dataset="cifar100")
     (tmp_data_dir / "LSUN_resize.tar.gz").write_bytes(b"cut short")
     with pytest.raises(
         DataNotFoundError,
-        match=f"LSUN_resize.tar.gz is corrupt .*278b7b31c8cb7e804a1465a8ce03a2dc.*"
-        f"{data.ODIN_ARCHIVES['LSUN_resize'][1]}",
+        match=r"LSUN_resize\.tar\.gz.*278b7b31c8cb7e804a1465a8ce03a2dc.*"
+        + re.escape(data.ODIN_ARCHIVES["LSUN_resize"][1]),
     ):
         load_ood("LSUN_resize", id_dataset="cifar10")
     # a folder without images: no checksum, none read
     (tmp_data_dir / "LSUN" / "empty").mkdir(parents=True)
     with pytest.raises(
         DataNotFoundError,
-        match=f"no images in the sub-folders of {tmp_data_dir / 'LSUN'} .*extract LSUN.tar.gz",
+        match=rf"{re.escape(str(tmp_data_dir / 'LSUN'))}.*LSUN\.tar\.gz",
     ):
         load_ood("LSUN", id_dataset="cifar10")
 
@@ -740,7 +729,6 @@ def test_infinite_loader_refuses_an_empty_loader():
     empty = DataLoader(TensorDataset(torch.arange(3)), batch_size=5, drop_last=True)
     with pytest.raises(
         ValueError,
-        match=r"yields no batch \(empty data set, or drop_last=True and < batch_size "
-        r"samples\)",
+        match="drop_last=True.*batch_size",
     ):
         next(infinite_loader(empty))

@@ -82,7 +82,7 @@ def test_graph_nodes_walks_a_hand_built_graph_breadth_first_once_per_node():
         (
             torch.tensor(1.0),
             ValueError,
-            r"no autograd graph \(grad_fn is None\).*torch.no_grad\(\).*detached",
+            r"grad_fn is None.*torch.no_grad\(\)",
         ),
         (
             (torch.ones(1, requires_grad=True) * 2, torch.tensor(1.0)),
@@ -146,9 +146,7 @@ def test_without_dot_the_source_is_returned_with_the_install_commands(monkeypatc
 def test_a_graph_larger_than_max_nodes_is_declined_with_its_count():
     model, sep, _ = step_b_losses()
     n = graph_stats(sep)["nodes"]
-    with pytest.raises(
-        GraphTooLargeError, match=f"has {n} nodes, more than max_nodes={n - 1}.*pass max_nodes=None"
-    ):
+    with pytest.raises(GraphTooLargeError, match=f"{n} nodes.*max_nodes={n - 1}.*max_nodes=None"):
         draw_graph(sep, model, max_nodes=n - 1)
     assert issubclass(GraphTooLargeError, ValueError)
     # the limit itself is allowed
@@ -161,7 +159,7 @@ def test_densenet_step_b_is_declined_by_default_and_drawn_on_request():
     loss = step_b_loss(model, x, torch.tensor([0, 1]), x, "separate")[0]
     n = graph_stats(loss)["nodes"]
     assert 800 < n < 1300  # "about 1,000"
-    with pytest.raises(GraphTooLargeError, match=f"has {n} nodes, more than max_nodes=150"):
+    with pytest.raises(GraphTooLargeError, match=f"{n} nodes.*max_nodes=150"):
         draw_graph(loss, model)
     assert len(drawn_nodes(draw_graph(loss, model, max_nodes=None))) > n
 
@@ -178,7 +176,7 @@ def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
     monkeypatch.setattr(builtins, "__import__", fake)
     with pytest.raises(
         ImportError,
-        match=rf"draw_graph needs torchviz and, on Python >= 3.12, setuptools .*'{missing}'",
+        match=rf"torchviz.*setuptools.*'{missing}'",
     ):
         draw_graph(torch.ones(2, requires_grad=True).sum())
 
@@ -200,17 +198,3 @@ def test_a_linear_weights_consumers_are_its_transposed_views_one_per_forward():
             stack.append(child)
     assert found == ["TBackward0", "TBackward0"]
     assert param_consumers(loss, lin)["weight"] == 2
-
-
-def test_two_gradient_contributions_sum_bit_for_bit():
-    # one addition of two floats is commutative, so the accumulated gradient equals g1 + g2 exactly
-    gen = torch.Generator().manual_seed(0)
-    w = torch.randn(50, 50, generator=gen, requires_grad=True)
-    x1, x2 = torch.randn(7, 50, generator=gen), torch.randn(9, 50, generator=gen)
-    l1, l2 = (x1 @ w).tanh().sum(), (x2 @ w).sin().sum()
-    g1, g2 = (
-        torch.autograd.grad(l1, w, retain_graph=True)[0],
-        torch.autograd.grad(l2, w, retain_graph=True)[0],
-    )
-    (l1 + l2).backward()
-    assert torch.equal(w.grad, g1 + g2) and torch.equal(w.grad, g2 + g1)

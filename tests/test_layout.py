@@ -120,3 +120,9 @@ def test_no_function_runs_over_60_lines():
         if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60
     ]
     assert long == []
+
+
+@pytest.mark.parametrize("script", sorted((ROOT / "benchmarks").glob("*.py")), ids=lambda p: p.name)
+def test_every_benchmark_script_imports_the_package_where_it_now_lives(script):
+    done = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr[-500:]

@@ -66,9 +66,9 @@ def test_the_live_plot_displays_once_then_updates_the_same_output(shown):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(margin=-0.1), "got -0.1"),
-        (dict(epochs=0), "got 0"),
-        (dict(strategy="both"), "'both'"),
+        (dict(margin=-0.1), r"margin.*-0\.1"),
+        (dict(epochs=0), r"finetune_epochs.*\b0\b"),
+        (dict(strategy="both"), "strategies.*'both'"),
     ],
 )
 def test_rerun_refuses_bad_settings_before_any_work(kwargs, match):

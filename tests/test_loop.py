@@ -125,13 +125,13 @@ def test_the_ranks_shares_are_disjoint_and_make_up_the_single_process_batch(n, b
         (
             dict(n=5, batch_size=8),
             ValueError,
-            r"batch_size must be between 1 and the data set's size 5, got 8",
+            r"batch_size.*\b5\b.*\b8\b",
         ),
-        (dict(n=5, batch_size=0), ValueError, r"between 1 and the data set's size 5, got 0"),
+        (dict(n=5, batch_size=0), ValueError, r"batch_size.*\b5\b.*\b0\b"),
         (
             dict(n=50, batch_size=10, world_size=4),
             ValueError,
-            r"the global batch size 10 must be a multiple of --nproc_per_node=4\.",
+            r"\b10\b.*--nproc_per_node=4\b",
         ),
     ],
 )
@@ -141,7 +141,7 @@ def test_batches_refuse_bad_sizes(kwargs, err, match):
 
 
 def test_a_batch_beyond_the_pass_is_refused():
-    with pytest.raises(IndexError, match=r"a pass has 2 batches, asked for batch 2"):
+    with pytest.raises(IndexError, match=r"\b2 batches\b.*\bbatch 2\b"):
         Batches(10, 5, seed=0, stream=0).batch(0, 2)
 
 
@@ -445,8 +445,7 @@ def test_a_non_finite_pretraining_loss_names_the_step_and_keeps_the_last_good_ch
     ckpt = tmp_path / "pretrain.pt"
     with pytest.raises(
         FloatingPointError,
-        match=rf"non-finite loss in pre-training, epoch 2 step 1: ce={bad}\. The last "
-        rf"good checkpoint is kept in {re.escape(str(tmp_path))}",
+        match=rf"pre-training.*epoch 2 step 1.*ce={bad}\b.*{re.escape(str(ckpt))}",
     ):
         # 3 steps an epoch
         train(_model(), _split(), _cfg(checkpoint_every=2), progress=False, checkpoint=ckpt)
@@ -479,8 +478,8 @@ def test_a_non_finite_fine_tuning_loss_names_every_part(tmp_path):
     ckpt = tmp_path / "mcd.pt"
     with pytest.raises(
         FloatingPointError,
-        match=r"fine-tuning \(concat\), epoch 2 step 3: ce=nan, dis=nan, gap=nan\. "
-        r"The last good checkpoint is kept",
+        match=r"fine-tuning \(concat\).*epoch 2 step 3.*ce=nan, dis=nan, gap=nan.*"
+        + re.escape(str(ckpt)),
     ):
         train(
             TwoHeadNet(_NaNAfter(k=8), 16, 3, 1),
@@ -506,7 +505,7 @@ def test_a_non_finite_fine_tuning_loss_names_every_part(tmp_path):
             "supervised_loss",
             5,
             signal.SIGTERM,
-            r"SIGTERM in pre-training 2/2 step 2/3",
+            r"SIGTERM.*pre-training 2/2.*step 2/3",
             (1, 2),
         ),
         (
@@ -514,7 +513,7 @@ def test_a_non_finite_fine_tuning_loss_names_every_part(tmp_path):
             "mcd_step",
             6,
             signal.SIGINT,
-            r"SIGINT in fine-tuning \(separate\) 2/2 step 2/4",
+            r"SIGINT.*fine-tuning \(separate\) 2/2.*step 2/4",
             (1, 2),
         ),
         (
@@ -522,7 +521,7 @@ def test_a_non_finite_fine_tuning_loss_names_every_part(tmp_path):
             "predict_logits",
             1,
             signal.SIGTERM,
-            r"SIGTERM at the end of fine-tuning \(concat\) 1/2",
+            r"SIGTERM.*fine-tuning \(concat\) 1/2\b",
             (1, 0),
         ),
     ],
@@ -566,11 +565,15 @@ def test_an_interrupted_run_resumed_equals_an_uninterrupted_one(
 @pytest.mark.parametrize(
     "key, strategy, match",
     [
-        ("other", "concat", r"not 'fine-tuning \(concat\)' with other: the settings changed"),
+        (
+            "other",
+            "concat",
+            r"'fine-tuning \(concat\)'.*\bk\b.*'fine-tuning \(concat\)'.*\bother\b.*--fresh",
+        ),
         (
             "k",
             "separate",
-            r"belongs to 'fine-tuning \(concat\)' with settings k, not 'fine-tuning \(separate\)'",
+            r"'fine-tuning \(concat\)'.*\bk\b.*'fine-tuning \(separate\)'.*--fresh",
         ),
     ],
 )

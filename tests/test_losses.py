@@ -1,6 +1,7 @@
 """mcd_helpers.losses against per-sample loops written here in plain Python (math), in nats."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -77,47 +78,47 @@ def test_supervised_loss_takes_any_integer_label_dtype(dtype):
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0, 3])),
             ValueError,
-            r"labels must lie in \[0, 3\).*got \[3\]",
+            r"labels.*\[0, 3\).*\[3\]",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([-1, 0])),
             ValueError,
-            r"\[0, 3\).*got \[-1\].*OOD samples",
+            r"labels.*\[0, 3\).*\[-1\]",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0.0, 1.0])),
             ValueError,
-            "a tensor of integer class labels",
+            r"targets.*torch\.float32",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([True, False])),
             ValueError,
-            "integer class labels.*torch.bool",
+            r"targets.*torch\.bool",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), [0, 1]),
             ValueError,
-            "a tensor of integer class labels",
+            r"targets.*\[0, 1\]",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 3), torch.tensor([0, 1, 2])),
             ValueError,
-            r"targets must have shape \(2,\).*got \(3,\)",
+            r"targets.*\(2,\).*\(3,\)",
         ),
         (
             (torch.zeros(2, 3), torch.zeros(2, 4), torch.tensor([0, 1])),
             ValueError,
-            r"the two heads alike; got \[\(2, 3\), \(2, 4\)\]",
+            r"\(N, K\).*\[\(2, 3\), \(2, 4\)\]",
         ),
         (
             (torch.zeros(0, 3), torch.zeros(0, 3), torch.zeros(0, dtype=torch.long)),
             ValueError,
-            "empty batch",
+            "supervised_loss.*empty batch",
         ),
         (
             (torch.zeros(2, 3), [[0.0] * 3] * 2, torch.tensor([0, 1])),
             TypeError,
-            "logits2 must be a torch.Tensor.*got list",
+            r"logits2.*torch\.Tensor.*\blist\b",
         ),
     ],
 )
@@ -168,15 +169,15 @@ def test_discrepancy_loss_gradient_raises_f1_entropy_and_lowers_f2s():
 @pytest.mark.parametrize(
     "logits, margin, match",
     [
-        (torch.zeros(0, 3), 1.2, "at least one unlabeled sample, got an empty batch"),
+        (torch.zeros(0, 3), 1.2, "discrepancy_loss.*empty batch"),
         (
             torch.zeros(2, 3),
             -0.1,
-            r"margin must be a finite number >= 0 nats.*got -0.1; the official margin is 1.2",
+            r"margin.*-0\.1.*\b1\.2\b",
         ),
         (torch.zeros(2, 3), float("nan"), "margin must be a finite number >= 0 nats.*got nan"),
-        (torch.zeros(2, 3), float("inf"), "margin must be a finite number >= 0 nats.*got inf"),
-        (torch.zeros(2, 3), 1e39, r"within torch.float32 \(3.403e\+38\), got 1e\+39"),
+        (torch.zeros(2, 3), float("inf"), r"margin.*\binf\b"),
+        (torch.zeros(2, 3), 1e39, r"torch\.float32 \(3\.403e\+38\).*1e\+39"),
     ],
 )
 def test_discrepancy_loss_refuses_bad_batches_and_margins(logits, margin, match):
@@ -210,8 +211,7 @@ def test_step_b_objective_adds_both_losses_and_reports_detached_parts():
 def test_step_b_objective_refuses_outputs_that_are_not_two_pairs(outputs):
     with pytest.raises(
         TypeError,
-        match=r"Step B needs the model to return \(logits1, logits2\), the outputs of F1 and F2, "
-        r"for each of the two",
+        match=r"(?s)\(logits1, logits2\).*TwoHeadNet",
     ):
         step_b_objective(outputs, torch.tensor([0, 1]))
 
@@ -273,7 +273,7 @@ def test_scores_stay_in_their_documented_ranges():
 @pytest.mark.parametrize("score", [msp_score, energy_score])
 @pytest.mark.parametrize("t", [0.0, -1.0, float("nan"), float("inf")])
 def test_scores_refuse_a_temperature_that_is_not_positive_and_finite(score, t):
-    with pytest.raises(ValueError, match=rf"temperature T must be a finite number > 0 .*got {t}"):
+    with pytest.raises(ValueError, match=f"temperature T.*{re.escape(str(t))}"):
         score(torch.zeros(2, 3), t)
 
 
@@ -281,11 +281,9 @@ def test_scores_refuse_a_temperature_that_is_not_positive_and_finite(score, t):
     "fn", [entropy, msp_score, energy_score, lambda x: discrepancy_score(x, x)]
 )
 def test_logits_must_be_a_2d_tensor(fn):
-    with pytest.raises(
-        ValueError, match=r"logits must have shape \(N, K\) \(batch, classes\).*got \[\(3,\)"
-    ):
+    with pytest.raises(ValueError, match=r"logits.*\(N, K\).*\[\(3,\)"):
         fn(torch.zeros(3))
-    with pytest.raises(TypeError, match="logits1 must be a torch.Tensor of shape"):
+    with pytest.raises(TypeError, match=r"logits1.*torch\.Tensor.*\blist\b"):
         fn([[0.0, 1.0]])
 
 

@@ -77,7 +77,7 @@ def test_batchnorm_running_buffers_are_counted_unless_excluded():
 
 @pytest.mark.parametrize("exclude", [[torch.zeros(2), 1.0], nn.Linear(2, 2).modules()])
 def test_meter_refuses_non_tensors_in_exclude(exclude):
-    with pytest.raises(TypeError, match=r"exclude must hold tensors \(parameters, input batches\)"):
+    with pytest.raises(TypeError, match="exclude"):
         SavedTensorMeter(exclude=exclude)
 
 
@@ -180,42 +180,42 @@ same = lambda xs, ys, xu: (xs, ys, xu)  # noqa: E731
             same,
             dict(schedule="interleave"),
             ValueError,
-            r"schedule must be one of \('concat', 'separate'.*'interleave'",
+            r"schedule.*\('concat', 'separate'.*'interleave'",
         ),
         (
             Two(),
             same,
             dict(repeats=-1),
             ValueError,
-            "repeats an integer >= 0; got 'separate', repeats=-1",
+            "repeats=-1",
         ),
         (
             Two(),
             same,
             dict(repeats=1.5),
             ValueError,
-            "repeats an integer >= 0; got 'separate', repeats=1.5",
+            r"repeats=1\.5",
         ),
         (
             Two(),
             lambda xs, ys, xu: (xs.numpy(), ys, xu),
             {},
             TypeError,
-            "x_sup, y_sup and x_unsup must be torch.Tensors",
+            r"x_unsup.*torch\.Tensor",
         ),
         (
             Two(),
             lambda xs, ys, xu: (xs, ys, xu[:, :5]),
             {},
             ValueError,
-            r"x_sup \(20, 6\) and x_unsup \(12, 5\) must agree but in batch size",
+            r"x_sup \(20, 6\).*x_unsup \(12, 5\)",
         ),
         (
             Two().requires_grad_(False),
             same,
             {},
             ValueError,
-            r"the model \(Two\) has no parameter with requires_grad=True",
+            r"\(Two\).*requires_grad=True",
         ),
         *[
             (
@@ -223,7 +223,7 @@ same = lambda xs, ys, xu: (xs, ys, xu)  # noqa: E731
                 same,
                 dict(schedule=s),
                 TypeError,
-                r"return \(logits1, logits2\), the outputs of F1 and F2",
+                r"\(logits1, logits2\)",
             )
             for s in ("concat", "separate", "per_part_late", "per_part")
         ],
@@ -240,8 +240,6 @@ def test_step_cost_refuses_to_run_with_autograd_disabled(context):
     model, (x_s, y_s, x_u) = setup()
     with (
         context(),
-        pytest.raises(
-            RuntimeError, match=r"autograd is disabled here \(torch.no_grad\(\) or torch.inference"
-        ),
+        pytest.raises(RuntimeError, match=r"torch\.no_grad\(\).*torch\.inference_mode\(\)"),
     ):
         step_cost(model, x_s, y_s, x_u)

@@ -146,10 +146,10 @@ def test_without_train_mode_coupling_eval_and_train_accuracy_are_the_same(runs):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(layout="zip"), r"layout must be one of .*got 'zip', 200, 32"),
-        (dict(steps=0), r"steps >= 1, batch >= 2; got 'separate', 0, 32"),
-        (dict(batch=1), r"steps >= 1, batch >= 2; got 'separate', 200, 1"),
-        (dict(norm="instance"), r"norm must be one of \('batch', 'group'.*got 'instance'"),
+        (dict(layout="zip"), r"layout.*'zip', 200, 32"),
+        (dict(steps=0), r"steps >= 1.*'separate', 0, 32"),
+        (dict(batch=1), r"batch >= 2.*'separate', 200, 1"),
+        (dict(norm="instance"), r"norm.*\('batch', 'group'.*'instance'"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, match):

@@ -181,53 +181,53 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: PerSourceBatchNorm(3, num_sources=0), "num_sources must be >= 1, got 0"),
+        (lambda: PerSourceBatchNorm(3, num_sources=0), r"num_sources.*\b0\b"),
         (
             lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, affine=False)),
-            "affine=False.*needs affine=True",
+            "affine=False.*affine=True",
         ),
         (
             lambda: PerSourceBatchNorm.from_batchnorm(nn.BatchNorm1d(3, track_running_stats=False)),
-            "cannot get per-source statistics: needs affine=True and track_running_stats=True",
+            "track_running_stats=False.*track_running_stats=True",
         ),
         (
             lambda: per_source_batchnorm(nn.Sequential(nn.Linear(2, 2))),
-            "the model has no BatchNorm layer",
+            "no BatchNorm layer",
         ),
         (
             lambda: use_source(per_source_batchnorm(net()), 2).__enter__(),
-            r"source must be in \[0, 2\), got 2",
+            r"source.*\[0, 2\).*\b2\b",
         ),
         (
             lambda: use_source(per_source_batchnorm(net()), -1).__enter__(),
-            r"source must be in \[0, 2\), got -1",
+            r"source.*\[0, 2\).*-1",
         ),
         (
             lambda: recalibrate_bn(nn.Linear(4, 2), data(4)),
-            "recalibrate_bn: the model has no BatchNorm layer with running",
+            "recalibrate_bn.*BatchNorm",
         ),
         (
             lambda: recalibrate_bn(
                 nn.Sequential(nn.BatchNorm1d(4, track_running_stats=False)), data(4)
             ),
-            "no BatchNorm layer",
+            "recalibrate_bn.*BatchNorm",
         ),
         (
             lambda: recalibrate_bn(net(), data(1)),
-            r"needs a batch tensor x \(N, \.\.\.\) with N >= 2 samples",
+            r"x \(N, \.\.\.\).*N >= 2",
         ),
-        (lambda: recalibrate_bn(net(), data(8).tolist()), "needs a batch tensor x"),
+        (lambda: recalibrate_bn(net(), data(8).tolist()), r"x \(N, \.\.\.\)"),
         (
             lambda: recalibrate_bn(net(), data(8), batch_size=1),
-            "batch_size must be an integer >= 2.*got 1",
+            r"batch_size.*\b1\b",
         ),
         (
             lambda: recalibrate_bn(net(), data(8), batch_size=2.5),
-            "batch_size must be an integer >= 2.*got 2.5",
+            r"batch_size.*2\.5",
         ),
         (
             lambda: freeze_bn(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))),
-            "freeze_bn: the model has no BatchNorm layer",
+            "freeze_bn.*BatchNorm",
         ),
     ],
 )

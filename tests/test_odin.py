@@ -1,6 +1,8 @@
 """mcd_helpers.baselines: ODIN against its closed form on a linear model (float64), and the grid
 search."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -97,19 +99,15 @@ def test_mode_is_restored_and_parameters_and_statistics_are_untouched():
     [
         (dict(temperature=0.0), "T=0.0"),
         (dict(temperature=-1.0), "T=-1.0"),
-        (dict(epsilons=[0.0, -0.1]), r"epsilons=\[0.0, -0.1\]"),
-        (dict(pixel_std=[0.1, 0.2, 0.3]), r"pixel_std=\[0.1, 0.2, 0.3\]"),
+        (dict(epsilons=[0.0, -0.1]), "epsilons=[0.0, -0.1]"),
+        (dict(pixel_std=[0.1, 0.2, 0.3]), "pixel_std=[0.1, 0.2, 0.3]"),
         (dict(pixel_std=-1.0), "pixel_std=-1.0"),
-        (dict(pixel_std=[0.0, 0.5]), r"pixel_std=\[0.0, 0.5\]"),
+        (dict(pixel_std=[0.0, 0.5]), "pixel_std=[0.0, 0.5]"),
     ],
 )
 def test_bad_arguments(kw, shown):
     args = {"temperature": 1000.0, "epsilons": [0.0], **kw}
-    with pytest.raises(
-        ValueError,
-        match=rf"ODIN needs T > 0 \(1000\), epsilons >= 0 .*one positive pixel_std or one "
-        rf"per channel; got .*{shown}",
-    ):
+    with pytest.raises(ValueError, match=f"ODIN.*{re.escape(shown)}"):
         odin_scores(LinearTwoHead(8, 3), torch.randn(2, 2, 2, 2, dtype=torch.float64), **args)
 
 

@@ -122,12 +122,10 @@ def test_beside_paper_off_cifar_uses_the_analogs_or_the_names_given():
 def test_beside_paper_errors():
     with pytest.raises(
         ValueError,
-        match=r"the paper reports odin, eloc and mcd; cannot compare \['energy', 'msp'\]",
+        match=r"odin.*eloc.*mcd.*\['energy', 'msp'\]",
     ):
         beside_paper([], methods=("mcd", "msp", "energy"))
-    with pytest.raises(
-        ValueError, match=r"two result rows for \('LSUN', 'odin'\); average the seeds first"
-    ):
+    with pytest.raises(ValueError, match=r"\('LSUN', 'odin'\)"):
         beside_paper([ours("LSUN", "odin", 0.9), ours("LSUN", "odin", 0.8)])
 
 

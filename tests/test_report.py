@@ -152,7 +152,7 @@ def test_setting_differences_pair_protocols_by_seed_and_split():
     ]
     assert pooled["seeds"] == ["a", "b"] and pooled["metric"] == "fpr95"
     assert (pooled["mean"], pooled["half_width"]) == pytest.approx(by_scipy(want), rel=1e-10)
-    with pytest.raises(ValueError, match="field must be 'protocol' or 'selection', got 'norm'"):
+    with pytest.raises(ValueError, match="field.*'protocol'.*'selection'.*'norm'"):
         setting_differences(rows, "norm", "batch", "group")
 
 

@@ -3,6 +3,7 @@ are committed recomputes from its ``scores/*.npz`` with scikit-learn alone (AURO
 FPR95 with ID as the positive class, as ``mcd_helpers.metrics`` defines them), so no number in a
 table is unbacked."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -57,6 +58,30 @@ def tost_p(d: np.ndarray, margin: float = 1.0) -> float:
     margin."""
     se, df = d.std(ddof=1) / np.sqrt(len(d)), len(d) - 1
     return max(stats.t.sf((d.mean() + margin) / se, df), stats.t.cdf((d.mean() - margin) / se, df))
+
+
+def doc_table(title: str) -> list[list[str]]:
+    """The cells of the first table after the bold ``title`` in docs/near-ood.md (no header)."""
+    text = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    after = text[text.index(f"**{title}") :].splitlines()
+    start = next(i for i, line in enumerate(after) if line.startswith("|"))
+    rows = itertools.takewhile(lambda line: line.startswith("|"), after[start + 2 :])
+    return [[c.strip() for c in line.strip("|").split("|")] for line in rows]
+
+
+def paired_cells(a: list[float], b: list[float]) -> list[str]:
+    """How the docs print arms ``b`` and ``a`` (fractions, paired by seed) and ``a - b``: the two
+    means in %, the mean difference in points with its 95% half-width, the paired t-test's p, and
+    the seeds where ``a`` leads."""
+    d = 100 * (np.array(a) - np.array(b))
+    p = stats.ttest_1samp(d, 0).pvalue
+    return [
+        f"{100 * np.mean(b):.2f}",
+        f"{100 * np.mean(a):.2f}",
+        f"{d.mean():+.2f} ± {half_width(d):.2f}",
+        f"{p:.2g}",
+        f"{(d > 0).sum()} of {len(d)}",
+    ]
 
 
 def test_some_results_commit_their_scores():
@@ -127,50 +152,30 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert round(stats.binomtest(20, 20).pvalue, 7) == 1.9e-6
 
 
-def test_the_dose_response_in_fine_tuning_length_grows_as_docs_say():
-    # docs/near-ood.md, "Dose-response in fine-tuning length": recomputed from the committed rows
+def test_the_dose_response_in_fine_tuning_length_docs_quote():
     rows = load("dose-length")
     v = {
         (r["finetune_steps"], r["strategy"], r["seed"]): r["auroc"]
         for r in rows
         if r["method"] == "mcd"
     }
-    table = {}
-    for steps in (30, 60, 120, 240, 480):
-        d = 100 * np.array([v[steps, "concat", s] - v[steps, "separate", s] for s in range(10)])
-        half = half_width(d)
-        table[steps] = (round(d.mean(), 2), round(half, 2), int((d > 0).sum()))
-    assert table == {
-        30: (1.71, 1.55, 9),
-        60: (4.63, 1.22, 10),
-        120: (4.75, 2.48, 10),
-        240: (6.98, 2.49, 10),
-        480: (11.65, 7.39, 10),
-    }
-    arm = lambda steps, s: round(100 * np.mean([v[steps, s, i] for i in range(10)]), 2)  # noqa: E731
-    # separate peaks, then degrades
-    assert [arm(n, "separate") for n in (120, 480)] == [85.46, 80.92]
-    assert [arm(n, "concat") for n in (30, 60, 120, 240, 480)] == sorted(
-        arm(n, "concat") for n in (30, 60, 120, 240, 480)
-    )
+    quoted = doc_table("Dose-response in fine-tuning length")
+    assert [int(row[0]) for row in quoted] == [30, 60, 120, 240, 480]
+    for row in quoted:
+        arm = {s: [v[int(row[0]), s, i] for i in range(10)] for s in ("concat", "separate")}
+        assert row[2:] == paired_cells(arm["concat"], arm["separate"]), row
 
 
 def test_the_margin_dose_response_and_margins_above_the_reachable_gap_train_the_same_network():
     # docs/near-ood.md, "Dose-response in the margin"
     rows = load("dose-margin")
     v = {(r["dose"], r["strategy"], r["seed"]): r["auroc"] for r in rows if r["method"] == "mcd"}
-    table = {}
-    for m in ("0.35", "0.7", "1.2", "2.0"):
-        d = 100 * np.array(
-            [v[f"margin={m}", "concat", s] - v[f"margin={m}", "separate", s] for s in range(10)]
-        )
-        table[m] = (round(d.mean(), 2), round(half_width(d), 2), int((d > 0).sum()))
-    assert table == {
-        "0.35": (2.89, 2.02, 9),
-        "0.7": (5.92, 2.45, 10),
-        "1.2": (7.29, 5.16, 10),
-        "2.0": (7.29, 5.16, 10),
-    }
+    quoted = doc_table("Dose-response in the margin")
+    for row in quoted:
+        m = row[0].split()[0]  # "1.2 (official)"
+        arm = {s: [v[f"margin={m}", s, i] for i in range(10)] for s in ("concat", "separate")}
+        assert row[1:] == paired_cells(arm["concat"], arm["separate"]), row
+    assert [row[0].split()[0] for row in quoted] == ["0.35", "0.7", "1.2", "2.0"]
     assert all(
         v["margin=1.2", s, i] == v["margin=2.0", s, i]
         for s in ("concat", "separate")
@@ -193,28 +198,16 @@ def test_the_ood_share_dose_response_docs_quote_and_its_full_pool_is_the_primary
         for r in rows
         if r["method"] == "mcd"
     }
-    table = {}
-    for f in (0.0, 0.125, 0.25, 0.5, 1.0):
-        d = 100 * np.array(
-            [v[f, "concat", s]["auroc"] - v[f, "separate", s]["auroc"] for s in range(10)]
-        )
-        fpr = 100 * np.mean(
-            [v[f, "concat", s]["fpr95"] - v[f, "separate", s]["fpr95"] for s in range(10)]
-        )
-        share = round(100 * round(2460 * f) / (3940 + round(2460 * f)), 1)
-        table[share] = (
-            round(d.mean(), 2),
-            round(half_width(d), 2),
-            int((d > 0).sum()),
-            round(fpr, 2),
-        )
-    assert table == {
-        0.0: (3.53, 1.71, 10, -1.34),
-        7.3: (2.14, 1.03, 10, -2.93),
-        13.5: (3.98, 2.03, 10, -9.87),
-        23.8: (6.63, 3.41, 10, -16.86),
-        38.4: (7.29, 5.16, 10, -21.92),
-    }
+    quoted = doc_table("Dose-response in the OOD share")
+    assert len(quoted) == 5
+    for f, row in zip((0.0, 0.125, 0.25, 0.5, 1.0), quoted):
+        share = 100 * round(2460 * f) / (3940 + round(2460 * f))
+        arm = {s: [v[f, s, i] for i in range(10)] for s in ("concat", "separate")}
+        auroc = {s: [r["auroc"] for r in arm[s]] for s in arm}
+        fpr = 100 * np.mean([c["fpr95"] - s["fpr95"] for c, s in zip(*arm.values())])
+        assert row[0].startswith(f"{share:.1f}%".replace(".0%", "%")), row
+        assert row[2:7] == paired_cells(auroc["concat"], auroc["separate"]), row
+        assert row[7] == f"{fpr:+.2f}".replace("-", "−"), row
     arm = lambda f, s: round(100 * np.mean([v[f, s, i]["auroc"] for i in range(10)]), 2)  # noqa: E731
     msp = round(
         100
@@ -447,16 +440,7 @@ def test_the_deeper_network_endpoint_docs_quote():
 def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
     # docs/near-ood.md and notebook 07: per class split, from the committed rows, with scipy's
     # paired t-test
-    import json
-    from pathlib import Path
-
-    from scipy import stats as sps
-
-    rows = json.loads(
-        (
-            Path(__file__).resolve().parents[1] / "benchmarks/results/near-ood/results.json"
-        ).read_text()
-    )
+    rows = load("near-ood")
     auroc = {
         (r["class_split"], r["protocol"], r["strategy"], r["seed"]): r["auroc"]
         for r in rows
@@ -474,8 +458,11 @@ def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
                     for s in range(5)
                 ]
             )
-            half = sps.t.ppf(0.975, 4) * d.std(ddof=1) / np.sqrt(5)
-            result[(split, protocol)] = (100 * d.mean(), 100 * half, sps.ttest_1samp(d, 0).pvalue)
+            result[(split, protocol)] = (
+                100 * d.mean(),
+                100 * half_width(d),
+                stats.ttest_1samp(d, 0).pvalue,
+            )
     assert [round(result[(s, "disjoint")][0], 2) for s in "abc"] == [3.72, -0.49, 0.32]
     assert [round(result[(s, "transductive")][0], 2) for s in "abc"] == [3.23, 0.22, 0.06]
     mean, half, p = result[("a", "disjoint")]

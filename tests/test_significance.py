@@ -2,6 +2,7 @@
 against hand computations and other scipy routines."""
 
 import math
+import re
 
 import matplotlib
 import numpy as np
@@ -66,21 +67,21 @@ def test_mean_ci_against_scipys_interval(n, confidence):
 @pytest.mark.parametrize(
     "values, kw, match",
     [
-        ([0.5], {}, r"at least 2 values \(seeds\), got 1; run more seeds"),
-        ([], {}, "got 0"),
+        ([0.5], {}, r"\b2 values\b.*\b1\b"),
+        ([], {}, r"\b2 values\b.*\b0\b"),
         (
             [0.5, 0.6, float("nan")],
             {},
-            r"values hold 1 NaN or inf value\(s\), first at index 2: a failed run upstream",
+            r"\b1 NaN.*index 2\b",
         ),
-        ([float("inf"), 0.6, float("nan")], {}, r"2 NaN or inf value\(s\), first at index 0"),
+        ([float("inf"), 0.6, float("nan")], {}, r"\b2 NaN.*index 0\b"),
         (
             [0.5, 0.6],
             {"confidence": 95},
-            r"confidence must be a fraction in \(0, 1\), got 95 \(did you mean 0.95\?\)",
+            r"confidence.*\(0, 1\).*\b95\b.*\b0\.95\b",
         ),
-        ([0.5, 0.6], {"confidence": 1.0}, r"fraction in \(0, 1\), got 1.0.$"),
-        ([0.5, 0.6], {"confidence": 0}, "got 0.$"),
+        ([0.5, 0.6], {"confidence": 1.0}, r"confidence.*\(0, 1\).*\b1\.0\.$"),
+        ([0.5, 0.6], {"confidence": 0}, r"confidence.*\(0, 1\).*\b0\.$"),
     ],
 )
 def test_mean_ci_errors(values, kw, match):
@@ -180,32 +181,31 @@ def test_equal_differences_have_no_p_and_a_group_with_one_strategy_is_left_out()
     [
         (
             HAND + [row("concat", 3, 0.9)],
-            rf"unmatched seeds in group {GROUP}: \[3\] only for one strategy; pairs need",
+            rf"{re.escape(GROUP)}.*\[3\]",
         ),
         (
             HAND[:3] + [row("separate", s, 0.9) for s in (7, 8, 9)],
-            r"unmatched seeds .*: \[0, 1, 2, 7, 8, 9\]",
+            r"\[0, 1, 2, 7, 8, 9\]",
         ),
         (
             HAND + [row("separate", 0, 0.5)],
-            rf"seed 0 appears twice for strategy 'separate' in group {GROUP}",
+            rf"seed 0\b.*'separate'.*{re.escape(GROUP)}",
         ),
         (
             [row("concat", 0, 0.9), row("separate", 0, 0.8)],
-            rf"group {GROUP}: a confidence interval needs at least 2",
+            rf"{re.escape(GROUP)}.*\b2 values\b.*\b1\b",
         ),
         (
             [{**HAND[0], "auroc": None}] + HAND[1:],
-            r"row 0 has no field\(s\) \['auroc'\]; its fields are \['auroc', 'class_split'",
+            r"row 0\b.*\['auroc'\].*\['auroc', 'class_split'",
         ),
         (
             HAND[:5] + [{"strategy": "concat", "seed": 9, "auroc": 0.9}],
-            r"row 5 has no field\(s\) \['task', 'class_split', "
-            r"'protocol', 'selection', 'method'\]",
+            r"row 5\b.*\['task', 'class_split', 'protocol', 'selection', 'method'\]",
         ),
         (
             HAND[:3] + [row("separate", s, float("nan") if s == 1 else 0.8) for s in range(3)],
-            rf"group {GROUP}: values hold 1 NaN or inf value\(s\), first at index 1",
+            rf"{re.escape(GROUP)}.*\b1 NaN.*index 1\b",
         ),
     ],
 )
@@ -241,10 +241,10 @@ def test_summarize_groups_in_order_of_first_appearance():
 def test_summarize_errors():
     with pytest.raises(
         ValueError,
-        match=r"group \{.*'strategy': 'concat'\}, auroc: a confidence interval needs at least 2",
+        match=r"'strategy': 'concat'\}, auroc.*\b2 values\b",
     ):
         summarize(HAND[:1] + HAND[3:], metrics=("auroc",))
-    with pytest.raises(ValueError, match=r"row 0 has no field\(s\) \['fpr95'\]"):
+    with pytest.raises(ValueError, match=r"row 0\b.*\['fpr95'\]"):
         summarize(HAND)
 
 
@@ -363,7 +363,7 @@ def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
     )
     with pytest.raises(
         ValueError,
-        match=r"endpoint concat-both - separate \(auroc, running statistics\) has no paired rows",
+        match=r"concat-both - separate \(auroc, running\b",
     ):
         endpoint_tests(rows, [("concat-both", "separate", "auroc", "running")])
 
@@ -464,11 +464,13 @@ def test_split_effects_at_no_split_effect_and_bad_input():
     assert (out["sigma"], out["se"]) == pytest.approx(
         (d.std(ddof=1), d.std(ddof=1) / np.sqrt(24)), rel=1e-12
     )
-    with pytest.raises(ValueError, match="at least 3 class splits"):
+    with pytest.raises(ValueError, match=r"\b3 class splits\b.*'concat'.*'separate'.*\b2\b"):
         split_effects([r for r in rows if r["class_split"] in ("s0", "s1")])
-    with pytest.raises(ValueError, match="one task, protocol and selection"):
+    with pytest.raises(ValueError, match=r"split_effects.*\btask\b.*\bprotocol\b.*\bselection\b"):
         split_effects(rows + [{**r, "protocol": "transductive"} for r in rows])
-    with pytest.raises(ValueError, match="run more seeds"):  # one seed: no within-split variance
+    with pytest.raises(
+        ValueError, match=r"\b2 values\b.*\b1\b"
+    ):  # one seed: no within-split variance
         split_effects([r for r in rows if r["seed"] == 0])
     far_msp = [{**r, "task": "far-ood", "auroc": 0.99} for r in rows if r["method"] == "msp"]
     # the covariate from the same task only
@@ -483,7 +485,5 @@ def test_split_effects_refuses_splits_with_different_numbers_of_seeds():
         for r in split_rows(k=8, n=4, tau=0.03, seed=2)
         if not (r["class_split"] in ("s1", "s5") and r["seed"] == 3)
     ]
-    with pytest.raises(
-        ValueError, match=r"same number of seeds in every class split, got \{'s0': 4, 's1': 3, "
-    ):
+    with pytest.raises(ValueError, match=r"\{'s0': 4, 's1': 3, "):
         split_effects(rows)

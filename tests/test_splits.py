@@ -72,24 +72,20 @@ def test_transductive_split_follows_the_official_permutation(n_val, seed):
 
 def test_transductive_split_errors():
     z = torch.zeros
-    with pytest.raises(
-        ConfigError, match="n_val=1000 is too large: the ID test set has 1000 images; lower it"
-    ) as err:
+    with pytest.raises(ConfigError, match=r"n_val=1000\b.*\b1000 images") as err:
         transductive_split(
             z(5, 1, 2, 2), z(5).long(), z(1000, 1, 2, 2), z(1000).long(), z(2000, 1, 2, 2)
         )
     assert err.value.field == "n_val"
-    with pytest.raises(ConfigError, match="n_val=10 is too large: the OOD set has 10 images"):
+    with pytest.raises(ConfigError, match=r"n_val=10\b.*\b10 images"):
         transductive_split(
             z(5, 1, 2, 2), z(5).long(), z(20, 1, 2, 2), z(20).long(), z(10, 1, 2, 2), n_val=10
         )
-    with pytest.raises(
-        ValueError, match="images and labels differ in length: 5/5 labeled, 20/19 ID test"
-    ):
+    with pytest.raises(ValueError, match="5/5.*20/19"):
         transductive_split(
             z(5, 1, 2, 2), z(5).long(), z(20, 1, 2, 2), z(19).long(), z(30, 1, 2, 2), n_val=10
         )
-    with pytest.raises(ValueError, match="5/4 labeled"):
+    with pytest.raises(ValueError, match=r"\b5/4\b"):
         transductive_split(
             z(5, 1, 2, 2), z(4).long(), z(20, 1, 2, 2), z(20).long(), z(30, 1, 2, 2), n_val=10
         )
@@ -134,23 +130,19 @@ def test_a_written_class_split(text, want):
     [
         (
             "z",
-            r"unknown class split 'z'; give a known name or the ID and OOD class digits as "
-            r"'IDS/OODS' \(e.g. "
-            r"'012345/6789'\). Known splits: 'a': ID \[0, 1, 2, 3, 4, 5\] OOD \[6, 7, 8, 9\]; 'b'",
+            r"'z'.*'IDS/OODS'.*'012345/6789'.*'a': ID \[0, 1, 2, 3, 4, 5\] OOD \[6, 7, 8, 9\]; 'b'",
         ),
-        ("01a/23", "unknown class split '01a/23'"),
-        ("01/23/45", "unknown class split '01/23/45'"),
-        ("/0123", "unknown class split '/0123'"),  # an empty side
-        ("0123/", "unknown class split '0123/'"),
-        (None, "unknown class split None"),
+        ("01a/23", "'01a/23'"),
+        ("01/23/45", "'01/23/45'"),
+        ("/0123", "'/0123'"),  # an empty side
+        ("0123/", "'0123/'"),
+        (None, r"\bNone\b"),
         (
             "012/2345",
-            r"class split '012/2345' lists a class twice or on both sides; valid classes "
-            r"are 0 T-shirt/top, "
-            r"1 Trouser, .*9 Ankle boot",
+            r"'012/2345'.*0 T-shirt/top, 1 Trouser, .*9 Ankle boot",
         ),
-        ("0113/45", "'0113/45' lists a class twice"),
-        ("01/233", "'01/233' lists a class twice"),
+        ("0113/45", "'0113/45'.*0 T-shirt/top"),
+        ("01/233", "'01/233'.*0 T-shirt/top"),
     ],
 )
 def test_class_split_errors(text, match):
@@ -280,49 +272,49 @@ def test_the_split_follows_the_seed(protocol):
         (
             dict(protocol="inductive"),
             "protocol",
-            "unknown protocol 'inductive'; choose from transductive, disjoint, unseen-ood",
+            "'inductive'.*transductive, disjoint, unseen-ood",
         ),
         (
             dict(protocol="unseen-ood", far=None),
             "unlabeled_ood",
-            "'unseen-ood' needs far_ood_train, the unlabeled OOD images",
+            "'unseen-ood'.*far_ood_train",
         ),
         (
             dict(n_holdout=60),
             "n_holdout",
-            "n_holdout=60 must be >= 1 and below the 60 ID-class training images",
+            r"n_holdout=60\b.*\b60 ID-class",
         ),
-        (dict(n_holdout=0), "n_holdout", "n_holdout=0 must be >= 1"),
+        (dict(n_holdout=0), "n_holdout", r"n_holdout=0\b"),
         (
             dict(n_val=13, n_holdout=20),
             "n_val",
-            "n_val=13 is too large: the unlabeled pool has 20 ID and 13 OOD images",
+            r"n_val=13\b.*\b20 ID\b.*\b13 OOD\b",
         ),
-        (dict(n_val=20, n_holdout=20), "n_val", "the unlabeled pool has 20 ID and 13 OOD"),
+        (dict(n_val=20, n_holdout=20), "n_val", r"n_val=20\b.*\b20 ID\b.*\b13 OOD\b"),
         (
             dict(protocol="unseen-ood", n_val=30, n_holdout=50),
             "n_val",
-            "the unlabeled pool has 50 ID and 30 OOD",
+            r"n_val=30\b.*\b50 ID\b.*\b30 OOD\b",
         ),
         (
             dict(protocol="transductive", n_val=40),
             "n_val",
-            "n_val=40 is too large: the OOD set has 40 images",
+            r"n_val=40\b.*\b40 images",
         ),
         (
             dict(n_val=60, n_holdout=50),
             "n_val",
-            "n_val=60 is too large: the ID test set has 60 images",
+            r"n_val=60\b.*\b60 images",
         ),
         (
             dict(ood_fraction=-0.5),
             "unlabeled_ood_fraction",
-            r"ood_fraction must be in \[0, 1\], got -0.5",
+            r"ood_fraction.*\[0, 1\].*-0\.5",
         ),
         (
             dict(ood_fraction=1.5),
             "unlabeled_ood_fraction",
-            r"ood_fraction must be in \[0, 1\], got 1.5",
+            r"ood_fraction.*\[0, 1\].*1\.5",
         ),
     ],
 )

@@ -127,12 +127,10 @@ def test_selected_epoch_is_the_first_best_validation_auroc_or_the_last_epoch(sel
 
 def test_selected_epoch_refuses_an_epoch_outside_thehistory_of():
     for upto in (2, -1):
-        with pytest.raises(
-            ValueError, match=rf"epoch {upto} is not in the history's 2 validated epochs\."
-        ):
+        with pytest.raises(ValueError, match=rf"epoch {upto}\b.*\b2\b"):
             selected_epoch(history_of([0.5, 0.8]), "ood-labels", upto)
     # nothing validated
-    with pytest.raises(ValueError, match=r"epoch -1 is not in the history's 0 validated epochs"):
+    with pytest.raises(ValueError, match=r"epoch -1\b.*\b0\b"):
         selected_epoch(history_of([]), "last-epoch")
 
 

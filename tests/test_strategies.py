@@ -128,16 +128,15 @@ def test_split_rows_splits_a_tensor_and_each_head_by_rows():
         (
             torch.zeros(3),
             ValueError,
-            r"output \(3,\) cannot be split by rows into batches of \(2, 2\): its first axis must "
-            "be the total batch size 4",
+            r"output \(3,\).*\(2, 2\).*\b4\b",
         ),
-        (torch.tensor(1.0), ValueError, r"output \(\) cannot be split by rows"),
+        (torch.tensor(1.0), ValueError, r"output \(\)"),
         (
             (torch.zeros(4), (torch.zeros(4),)),
             TypeError,
-            r"a tensor or a flat tuple of tensors, got \['Tensor', 'tuple'\]",
+            r"\['Tensor', 'tuple'\]",
         ),
-        ({"logits": torch.zeros(4)}, TypeError, "a tensor or a flat tuple of tensors, got dict"),
+        ({"logits": torch.zeros(4)}, TypeError, r"\bdict\b"),
     ],
 )
 def test_split_rows_refuses_outputs_without_one_row_per_sample(output, error, match):
@@ -155,7 +154,7 @@ def test_forward_batches_feeds_batch_i_through_source_i():
             want = 0.1 * model.conv(x[i]).mean(dim=(0, 2, 3))
             torch.testing.assert_close(model.norm.running_mean[i], want, rtol=0, atol=1e-14)
     assert model.norm.num_batches_tracked.tolist() == [1, 1] and model.norm.source == 0
-    with pytest.raises(ValueError, match="layout must be one of .*got 'zip'"):
+    with pytest.raises(ValueError, match="layout.*'zip'"):
         forward_batches(model, x, "zip")
 
 
@@ -184,16 +183,15 @@ def test_step_b_loss_of_every_strategy_matches_the_hand_loss(strategy):
         (
             "both",
             None,
-            "strategy must be one of separate, concat, split-bn, recalibrate, concat-both, "
-            "frozen-bn, frozen-bn-concat; got 'both'",
+            "strategy.*separate, concat, split-bn, recalibrate, concat-both, frozen-bn, "
+            "frozen-bn-concat.*'both'",
         ),
         (
             "split-bn",
             None,
-            r"'split-bn' needs per-source BatchNorm: use "
-            r"mcd_helpers.norms.per_source_batchnorm\(model\)",
+            r"'split-bn'.*mcd_helpers\.norms\.per_source_batchnorm\(model\)",
         ),
-        ("concat", torch.tensor([0, 1, 2, 7]), r"labels must lie in \[0, 3\)"),
+        ("concat", torch.tensor([0, 1, 2, 7]), r"labels.*\[0, 3\).*\[7\]"),
     ],
 )
 def test_step_b_loss_refuses_what_it_cannot_run(strategy, y, match):
@@ -251,9 +249,7 @@ def test_each_chunk_of_an_interleaved_batch_holds_an_equal_share_of_every_source
 @pytest.mark.parametrize("fn", [interleave, de_interleave])
 @pytest.mark.parametrize("n, size", [(10, 3), (10, 0), (4, -1)])
 def test_interleave_needs_n_divisible_by_size(fn, n, size):
-    with pytest.raises(
-        ValueError, match=f"needs N = {n} divisible by size = {size} \\(size >= 1\\)"
-    ):
+    with pytest.raises(ValueError, match=rf"N = {n}\b.*size = {size}\b"):
         fn(torch.arange(n), size)
 
 
@@ -316,19 +312,19 @@ def test_without_coupling_every_layout_gives_the_same_outputs_in_source_order():
             source_net(),
             [torch.randn(4, 8)] * 2,
             "zip",
-            r"layout must be one of concat, separate, interleave.*got 'zip'",
+            r"layout.*concat, separate, interleave.*'zip'",
         ),
         (
             source_net(),
             [torch.randn(4, 8), torch.randn(3, 8)],
             "interleave",
-            r"'interleave' needs batches of equal size, got \[4, 3\]",
+            r"'interleave'.*\[4, 3\]",
         ),
         (
             source_net(),
             [torch.randn(4, 8), torch.randn(3, 8)],
             "chunks",
-            r"'chunks' needs batches of equal size",
+            r"'chunks'.*\[4, 3\]",
         ),
     ],
 )
