@@ -66,9 +66,9 @@ def browser_skip_reason() -> str | None:
 def expectations(notebook: Path) -> dict[str, bool]:
     """What the notebook's code cells promise to show, read from their source.
 
-    ``widgets``: imports ipywidgets or calls ``interact``; ``graphs``: draws an autograd graph
-    (``draw_graph``/``make_dot``/graphviz); ``figures``: uses matplotlib or
-    ``mcd_helpers.experiments.plots``.
+    ``widgets``: imports ipywidgets, calls ``interact`` or the package's ``rerun_widget``;
+    ``graphs``: draws an autograd graph (``draw_graph``/``make_dot``/graphviz); ``figures``: uses
+    matplotlib or ``mcd_helpers.experiments.plots``.
     """
     cells = json.loads(notebook.read_text(encoding="utf-8"))["cells"]
     code = "\n".join(
@@ -78,7 +78,9 @@ def expectations(notebook: Path) -> dict[str, bool]:
     )
     code = re.sub(r"#.*", "", code)  # comments promise nothing
     return {
-        "widgets": bool(re.search(r"\bipywidgets\b|\binteract(ive|_manual)?\s*\(", code)),
+        "widgets": bool(
+            re.search(r"\bipywidgets\b|\binteract(ive|_manual)?\s*\(|\brerun_widget\s*\(", code)
+        ),
         "graphs": bool(re.search(r"\bdraw_graph\s*\(|\bmake_dot\s*\(|\bgraphviz\b", code)),
         "figures": bool(
             re.search(r"\bplt\.|\bmatplotlib\b|\bmcd_helpers\.plots\b|\bplot_\w+\s*\(", code)

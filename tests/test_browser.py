@@ -1,6 +1,7 @@
-"""Every notebook opened in JupyterLab in headless Chromium, run from the Run menu, and looked at.
+"""The notebooks with widgets or autograd graphs opened in JupyterLab in headless Chromium, run from
+the Run menu, and looked at (MCD_BROWSER_NOTEBOOKS=notebooks/*.ipynb: every notebook).
 
-For each notebooks/*.ipynb (one test each, id = the notebook's stem), in quick mode (MCD_QUICK=1):
+For each such notebook (one test each, id = the notebook's stem), in quick mode (MCD_QUICK=1):
 Run > Run All Cells, wait for the kernel, then check what a reader would see:
 
 - no cell shows an error (an ``error`` output; JupyterLab renders its traceback as stderr text,
@@ -50,9 +51,13 @@ PICTURE_MIMES = {"image/svg+xml", "image/png", "image/jpeg"}
 
 
 def _notebooks() -> list[Path]:
+    """The notebooks that show what only a browser can check: widgets (a control changes an
+    output) or autograd graphs (SVG); every kind of output they show, figures included, is drawn
+    by the same JupyterLab renderer in the others, which tests/test_notebooks.py runs headless."""
     spec = os.environ.get("MCD_BROWSER_NOTEBOOKS")
     if not spec:
-        return sorted((ROOT / "notebooks").glob("*.ipynb"))
+        every = sorted((ROOT / "notebooks").glob("*.ipynb"))
+        return [p for p in every if (e := expectations(p))["widgets"] or e["graphs"]]
     return sorted({Path(p).resolve() for part in spec.split(os.pathsep) for p in glob.glob(part)})
 
 
@@ -123,8 +128,10 @@ def test_notebook_in_jupyterlab(path, lab, browser):
             f"{path.name}: kernel time {sum(c['seconds'] or 0 for c in cells):.0f} s; "
             "slowest cells " + ", ".join(f"[{c['count']}] {c['seconds']:.1f} s" for c in slow)
         )
-        # an error in a cell is the headless run's to find (tests/test_notebooks.py); here: what
-        # JupyterLab shows of the outputs
+        # what a reader sees, tracebacks inside Output widgets included (which a headless run
+        # does not raise)
+        errors = [(c["index"], c["count"], e) for c in cells for e in c["errors"]]
+        assert not errors, "error output in cell {} [{}]:\n{}".format(*errors[0])
         assert not (problems := _rendering_problems(cells)), "\n".join(problems)
 
         svgs = [s for c in cells for s in c["svgs"]]

@@ -154,7 +154,7 @@ def test_help_shows_the_named_presets_own_defaults(preset):
     assert shown["model"].endswith(f"({preset}: {p.model})")
     assert shown["ood_sets"].endswith(f"({preset}: {','.join(p.ood_sets)})")
     # quick's, not the dataclass's 0.01
-    assert _help_of(["reproduce", "--help"])["finetune_lr"].endswith("(quick: 0.003)")
+    assert _help_of(["reproduce", "--help"])["finetune_lr"].endswith("(quick: 0.005)")
     assert MCDConfig().finetune_lr == 0.01
 
 

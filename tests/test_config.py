@@ -271,7 +271,7 @@ def test_cpu_presets():
         q.steps_per_epoch,
         q.finetune_lr,
         q.schedule,
-    ) == ("fashion_mnist", "small_cnn", "batch", 6, (4,), 1, 150, 0.003, "official")
+    ) == ("fashion_mnist", "small_cnn", "batch", 3, (2,), 1, 150, 0.005, "official")
     assert q.channels_last and q.amp == "auto"  # the fastest measured CPU settings
     assert q.resolved_amp() == ("bf16" if native_bf16("cpu") else "none")
     nb = get_preset("notebook")
