@@ -45,7 +45,12 @@ LAB_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"windowingMode": "none", "recordTiming": True},
     "@jupyterlab/docmanager-extension/plugin": {"autosave": False},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
+    # a saved copy keeps its widgets' state, as nbclient's headless copies do (the site shows it)
+    "@jupyter-widgets/jupyterlab-manager/plugin": {"saveState": True},
 }
+# The notebooks that tests/test_browser.py ran and saved to build/executed/ in this pytest session:
+# tests/test_notebooks.py does not run them headless a second time.
+EXECUTED_IN_BROWSER: set[str] = set()
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 

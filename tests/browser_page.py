@@ -179,6 +179,12 @@ class NotebookPage:
                     + ")"
                 )
 
+    def save(self) -> Path:
+        """File > Save (JupyterLab's ``docmanager:save`` command, awaited); returns the saved
+        notebook in the server's temporary workspace."""
+        self.page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        return self.lab.notebooks_dir / self.name
+
     def wait_idle(self, timeout_s: float = 120):
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -42,24 +42,34 @@ def data():
 
 
 @pytest.fixture(scope="session")
-def run(tmp_path_factory, data):
-    """run_ood_set on the toy config (two strategies, both selections) in a cache of its own, shared
-    by the pipeline's tests; ``calls`` is the strategy of each training (None: pre-training)."""
+def _pipeline_run(tmp_path_factory, data):
+    """run_ood_set on the toy config (two strategies, both selections) in a cache of its own:
+    (result, the strategy of each training (None: pre-training), the cache folder)."""
     from pipeline_setup import TINY
 
     from mcd_helpers.experiments import stages
     from mcd_helpers.experiments.pipeline import run_ood_set
 
-    env, spy, calls = pytest.MonkeyPatch(), pytest.MonkeyPatch(), []
-    env.setenv("MCD_DATA_DIR", str(tmp_path_factory.mktemp("pipeline-cache")))
+    cache, calls = tmp_path_factory.mktemp("pipeline-cache"), []
     real = stages.train
-    spy.setattr(stages, "train", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
-    split = stages.make_split(TINY, data, "gaussian")
-    how = stages.RunOptions(progress=False, log=None)
-    res = run_ood_set(TINY, split, "gaussian", selections=("ood-labels", "last-epoch"), how=how)
-    spy.undo()
-    yield res, calls
-    env.undo()
+    # both undone before the session goes on: later tests (the notebooks among them) use the
+    # suite's shared cache and the real training
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("MCD_DATA_DIR", str(cache))
+        patch.setattr(stages, "train", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+        split = stages.make_split(TINY, data, "gaussian")
+        how = stages.RunOptions(progress=False, log=None)
+        res = run_ood_set(TINY, split, "gaussian", selections=("ood-labels", "last-epoch"), how=how)
+    return res, calls, cache
+
+
+@pytest.fixture
+def run(_pipeline_run, monkeypatch):
+    """The pipeline's toy run shared by its tests, as (result, strategy of each training); during
+    the test $MCD_DATA_DIR is that run's cache, so what it trained loads from there."""
+    res, calls, cache = _pipeline_run
+    monkeypatch.setenv("MCD_DATA_DIR", str(cache))
+    return res, calls
 
 
 @pytest.fixture

@@ -151,12 +151,11 @@ def test_every_split_is_checked_before_any_training(tmp_path, tmp_data_dir, monk
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    """near-ood-tiny on 2 seeds into its own output folder and cache, computed once for the
-    module."""
+    """near-ood-tiny on 2 seeds into its own output folder, computed once for the module. Its
+    networks go to the suite's shared cache: notebook 07's quick run is this grid and loads them
+    from there."""
     root = tmp_path_factory.mktemp("bench")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("MCD_DATA_DIR", str(root / "cache"))
-        rows = run_benchmark(TINY, root / "out", seeds=SEEDS, progress=False, quiet=True)
+    rows = run_benchmark(TINY, root / "out", seeds=SEEDS, progress=False, quiet=True)
     return root / "out", rows
 
 

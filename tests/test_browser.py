@@ -14,6 +14,8 @@ Run > Run All Cells, wait for the kernel, then check what a reader would see:
   where controls act only through a button, the button is pressed too) changes an output; one that
   draws autograd graphs shows an SVG graph with nodes; one that uses matplotlib shows a figure.
 
+The page is saved once Run All is checked, before a control is changed, and copied to
+build/executed/ (the site's copy): tests/test_notebooks.py then does not run it headless again.
 A tall screenshot of each notebook goes to build/screenshots/NAME.png (also when a check fails)
 and the wall times to build/browser_times.json. JupyterLab serves a temporary copy of the
 notebooks (see tests/browser_lab.py), so the committed ones stay without outputs.
@@ -31,6 +33,8 @@ import glob
 import hashlib
 import json
 import os
+import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -38,6 +42,7 @@ import pytest
 from browser_lab import (
     CHROMIUM,
     CHROMIUM_ARGS,
+    EXECUTED_IN_BROWSER,
     ROOT,
     WIDGET_MIME,
     LabServer,
@@ -45,6 +50,9 @@ from browser_lab import (
     expectations,
 )
 from browser_page import NotebookPage
+
+sys.path.insert(0, str(ROOT / "docs"))
+from build_site import EXECUTED  # noqa: E402  (the executed copies the site is built from)
 
 pytestmark = pytest.mark.browser
 PICTURE_MIMES = {"image/svg+xml", "image/png", "image/jpeg"}
@@ -145,6 +153,7 @@ def test_notebook_in_jupyterlab(path, lab, browser):
             assert any(i["w"] > 0 and i["h"] > 0 for i in images), (
                 "the notebook uses matplotlib, but no figure image is in the page"
             )
+        _keep_executed_copy(nb, path)  # before a control changes an output
         # a notebook may show widgets built in mcd_helpers without importing ipywidgets itself
         sent_widgets = any(WIDGET_MIME in o["mimes"] for c in cells for o in c["outputs"])
         if expect["widgets"] or sent_widgets:
@@ -180,6 +189,19 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         finally:
             nb.close()
         _record_time(path.name, time.monotonic() - start)
+
+
+def _keep_executed_copy(nb: NotebookPage, path: Path):
+    """Save the notebook as Run All left it to build/executed/, where the site is built from, and
+    spare tests/test_notebooks.py a second, headless run of it."""
+    saved = nb.save()
+    deadline = time.monotonic() + 60
+    while not any(o for c in json.loads(saved.read_text())["cells"] for o in c.get("outputs", [])):
+        assert time.monotonic() < deadline, f"{path.name}: JupyterLab did not save it within 60 s"
+        time.sleep(0.5)
+    EXECUTED.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(saved, EXECUTED / path.name)
+    EXECUTED_IN_BROWSER.add(path.name)
 
 
 def _record_time(name: str, seconds: float):

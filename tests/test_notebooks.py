@@ -2,6 +2,7 @@
 
 Each notebook's asserts are its claims; a failing assert fails this test. Wall times are written
 to build/notebook_times.json (a record, not a timed test), executed copies to build/executed/.
+A notebook that tests/test_browser.py ran in JupyterLab earlier in the session is not run again.
 """
 
 import json
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "docs"))
+from browser_lab import EXECUTED_IN_BROWSER  # noqa: E402
 from build_site import EXECUTED, execute  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -94,6 +96,8 @@ def test_notebook_runs_headless(path):
     # executed copy goes to build/executed/, where the site (tests/test_site.py) is built from.
     # MCD_FULL=1 (make test-full): full mode instead, copies in build/executed-full/.
     full = os.environ.get("MCD_FULL") == "1"
+    if path.name in EXECUTED_IN_BROWSER and not full:
+        pytest.skip("run in JupyterLab by tests/test_browser.py in this session (copy saved)")
     out = EXECUTED.with_name("executed-full") if full else EXECUTED
     seconds = execute(path, out, timeout=7200 if full else 900, quick=not full)
     nb = nbformat.read(out / path.name, as_version=4)
