@@ -199,7 +199,7 @@ class NotebookPage:
         Controls are tried one at a time in ``CONTROLS`` order (another option of a dropdown, an
         unchecked radio button or toggle, the checkbox, the slider one step right). A control
         counts as having updated an output when, once the kernel is idle again, the outputs
-        differ from before (``_FINGERPRINT_JS``); it is given up after 15 s of idle kernel. When
+        differ from before (``_FINGERPRINT_JS``); it is given up after 5 s of idle kernel. When
         a change updates nothing and the page has a button (``interact_manual``, "run again"),
         the button is pressed too, as a reader would, and that ends the tries.
         """
@@ -262,7 +262,8 @@ class NotebookPage:
                 return self.fingerprint() != before
             idle = self.snapshot()["kernel"] == "idle"
             idle_since = (idle_since or time.monotonic()) if idle else None
-            if idle_since and time.monotonic() - idle_since > 15:
+            # a control that computes keeps the kernel busy: 5 s idle without a change is none
+            if idle_since and time.monotonic() - idle_since > 5:
                 return False
         return False
 
