@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader, TensorDataset
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mcd_helpers.experiments.config import MCDConfig  # noqa: E402
+from mcd_helpers.experiments.config import PRESETS, MCDConfig  # noqa: E402
 from mcd_helpers.experiments.files import save_state  # noqa: E402
 from mcd_helpers.experiments.loop import train  # noqa: E402
 from mcd_helpers.memory import SavedTensorMeter  # noqa: E402
@@ -66,7 +66,13 @@ VARIANTS = {  # fast-path options per variant (config fields)
     "data_on_device": {"data_on_device": True},
     "all": {"amp": "bf16", "channels_last": True, "compile": True, "data_on_device": True},
 }
-LR, MOMENTUM, WEIGHT_DECAY, MARGIN = 0.005, 0.9, 1e-4, 1.2  # the quick preset's fine-tuning
+_QUICK = PRESETS["quick"]  # its fine-tuning settings, for both loops
+LR, MOMENTUM, WEIGHT_DECAY, MARGIN = (
+    _QUICK.finetune_lr,
+    _QUICK.finetune_momentum,
+    _QUICK.finetune_weight_decay,
+    _QUICK.margin,
+)
 
 
 def raw_loop(
