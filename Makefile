@@ -14,20 +14,15 @@ DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
 
 .PHONY: demo test test-full site lab system-deps notebooks clean
 
-CHECK_PYTHON = @[ -n "$(PYTHON)" ] && command -v $(PYTHON) >/dev/null || { echo "error: no Python >= 3.11 found (looked for python3.11, python3.12, python3.13, python3); install one (sudo apt-get install python3.11) or run make PYTHON=/path/to/python3"; exit 1; }
-
 $(VENV)/.core: pyproject.toml
-	$(CHECK_PYTHON)
+	@[ -n "$(PYTHON)" ] && command -v $(PYTHON) >/dev/null || { echo "error: no Python >= 3.11 found (looked for python3.11, python3.12, python3.13, python3); install one (sudo apt-get install python3.11) or run make PYTHON=/path/to/python3"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -e .
 	touch $@
 
-# The package and the test tools in one pip call (one resolution), on a venv made here if missing.
-$(VENV)/.dev: pyproject.toml
-	$(CHECK_PYTHON)
-	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+$(VENV)/.dev: $(VENV)/.core
 	$(PY) -m pip install -q -e '.[dev]'
-	touch $(VENV)/.core $@
+	touch $@
 
 # Debian packages: Graphviz's `dot` (torchviz graphs) and Fashion-MNIST (the ID set), with apt
 # when we are root and apt is there; otherwise say what to install.
