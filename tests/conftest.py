@@ -8,6 +8,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "docs"))  # build_site: the executed notebooks the site is built from
 
 # The suite never reads or writes the user's cache (~/.cache/mcd_helpers): data, networks and
 # results of every test, notebook and browser run go to a folder of its own inside the checkout

@@ -8,16 +8,14 @@ A notebook that tests/test_browser.py ran in JupyterLab earlier in the session i
 import json
 import os
 import re
-import sys
 from pathlib import Path
 
 import nbformat
 import pytest
+from browser_lab import EXECUTED_IN_BROWSER
+from build_site import EXECUTED, execute
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "docs"))
-from browser_lab import EXECUTED_IN_BROWSER  # noqa: E402
-from build_site import EXECUTED, execute  # noqa: E402
 
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 

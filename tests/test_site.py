@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import functools
 import http.server
-import sys
 import threading
 from urllib.parse import unquote, urldefrag, urlparse
 
+import build_site
 import nbformat
 import pytest
 from browser_lab import CHROMIUM, CHROMIUM_ARGS, ROOT, browser_skip_reason, expectations
-
-sys.path.insert(0, str(ROOT / "docs"))
-import build_site  # noqa: E402
 
 pytestmark = pytest.mark.browser
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
