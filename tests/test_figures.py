@@ -6,8 +6,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pytest
 
-from mcd_helpers.experiments.figures import forest_plot, plot_by_protocol
-from mcd_helpers.experiments.significance import paired_differences, summarize
+from mcd_helpers.experiments.figures import forest_plot, plot_by_protocol, split_forest
+from mcd_helpers.experiments.significance import GROUP_KEYS, paired_differences, summarize
 
 matplotlib.use("Agg")
 
@@ -88,6 +88,72 @@ def test_forest_plot_with_two_comparisons_names_each_and_refuses_a_missing_metri
     )
     with pytest.raises(ValueError, match=r"'fpr95'.*\['auroc'\]"):
         forest_plot(paired, metric="fpr95")
+
+
+def test_forest_plot_labels_are_words_without_empty_fields():
+    # the primary endpoint's layout: one class split, a constant empty "dose", pairs against two
+    # different strategies
+    rows = [
+        {**r, "dose": ""}
+        for r in three_protocols(("concat", "separate", "frozen-bn"))
+        if r["protocol"] == "disjoint"
+    ]
+    paired = paired_differences(rows) + paired_differences(rows, "separate", "frozen-bn")
+    (ax,) = forest_plot(paired).axes
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    assert labels == ["concat − separate", "separate − frozen-bn"]
+    assert ax.get_xlabel() == "difference between strategies, AUROC (percentage points)"
+    assert ax.get_ylabel() == "comparison"
+    keys = (*GROUP_KEYS, "dose")
+    dosed = [{**r, "dose": f"finetune_epochs={n}"} for n in (1, 16) for r in rows]
+    (ax,) = forest_plot(paired_differences(dosed, keys=keys)).axes
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "finetune epochs 1",
+        "finetune epochs 16",
+    ]
+    assert (ax.get_xlabel(), ax.get_ylabel()) == (
+        "concat − separate, AUROC (percentage points)",
+        "setting",
+    )
+
+
+def test_split_forest_sorts_the_splits_and_draws_the_random_effect_by_hand():
+    from scipy import stats
+
+    effect = {
+        "s1": [1.0, 2.0, 3.0],
+        "s2": [5.0, 6.0, 10.0],
+        "s3": [-1.0, 0.0, 0.5],
+        "s4": [2, 2, 5],
+    }
+    rows = [
+        {**prow(strategy, seed, 0.8 + (d / 100 if strategy == "concat" else 0), "disjoint", split)}
+        for split, diffs in effect.items()
+        for seed, d in enumerate(diffs)
+        for strategy in ("concat", "separate")
+    ]
+    selected = [{**r, "class_split": "a"} for r in rows if r["class_split"] == "s2"]
+    (ax,) = split_forest(rows, selected).axes
+    labels = [t.get_text() for t in ax.get_yticklabels()]
+    # the selected split on top, the random splits from the largest effect down, the average last
+    assert labels == [
+        "split a: selected after a first look (3 seeds)",
+        "s2 (3 seeds)",
+        "s4 (3 seeds)",
+        "s1 (3 seeds)",
+        "s3 (3 seeds)",
+        "average split (4 random splits, random effect)",
+    ]
+    # the diamond: the balanced one-way ANOVA's mean and its t interval, k - 1 df
+    d = np.array(list(effect.values()))
+    k, n = d.shape
+    se = np.sqrt(n * d.mean(1).var(ddof=1) / (k * n))
+    half = stats.t.ppf(0.975, k - 1) * se
+    (diamond,) = ax.patches
+    xs = diamond.get_xy()[:, 0]
+    assert (xs.min(), xs.max()) == pytest.approx((d.mean() - half, d.mean() + half), rel=1e-9)
+    assert ax.get_xlabel().startswith("concat − separate, AUROC points")
+    assert ax.get_ylabel() == "class split (ID classes / held-out classes)"
 
 
 def test_plot_by_protocol_series_and_panels():

@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 from ..plots import finish_figure
 from ..splits import PROTOCOLS
 from ..tables import METRIC_NAMES
+from .significance import paired_differences, split_effects
 
 
 def protocol_order(protocols) -> list[str]:
@@ -39,10 +40,29 @@ _PAIR_FIELDS = (
 )
 
 
+# The row keys a forest plot may label its rows by, in words.
+_KEY_WORDS = {
+    "task": "task",
+    "class_split": "class split",
+    "protocol": "protocol",
+    "selection": "model selection",
+    "method": "method",
+    "norm": "normalisation",
+    "eval_stats": "evaluation statistics",
+    "model": "network",
+    "dose": "setting",
+}
+
+
+def _in_words(value) -> str:
+    """A row key's value as a reader reads it: ``finetune_epochs=16`` -> ``finetune epochs 16``."""
+    return str(value).replace("_", " ").replace("=", " ")
+
+
 def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     """Paired differences (:func:`~mcd_helpers.stats.paired_differences`) of ``metric``, a row per
-    group: the mean and its 95% CI in percentage points, a line at 0, labelled by the keys that
-    vary.
+    group: the mean and its 95% CI in percentage points, a line at 0, labelled in words by the keys
+    that vary (and by the pair when there are several).
 
     Raises:
         ValueError: no entry for ``metric`` (the available ones named).
@@ -52,10 +72,14 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
             f"no paired differences for metric {metric!r}; available: "
             f"{sorted({d['metric'] for d in paired})}."
         )
-    shown = _varying(entries, [k for k in entries[0] if k not in _PAIR_FIELDS])
+    keys = [k for k in entries[0] if k not in _PAIR_FIELDS]
+    shown = [k for k in keys if len({str(e[k]) for e in entries}) > 1]
     pairs = list(dict.fromkeys((d["a"], d["b"]) for d in entries))
     labels = [
-        (f"{d['a']} − {d['b']}: " if len(pairs) > 1 else "") + " / ".join(str(d[k]) for k in shown)
+        ": ".join(
+            ([f"{d['a']} − {d['b']}"] if len(pairs) > 1 or not shown else [])
+            + ([" / ".join(_in_words(d[k]) for k in shown)] if shown else [])
+        )
         for d in entries
     ]
     fig, ax = plt.subplots(figsize=(9.0, 1.4 + 0.35 * len(entries)))
@@ -70,17 +94,102 @@ def forest_plot(paired: Sequence[dict], metric: str = "auroc", title: str = ""):
     ax.axvline(0, color="grey", linestyle="--", linewidth=1)
     ax.set_yticks(range(len(entries)), labels)
     ax.invert_yaxis()
-    which = f"{pairs[0][0]} − {pairs[0][1]}" if len(pairs) == 1 else f"strategy − {pairs[0][1]}"
+    name = METRIC_NAMES.get(metric, metric)
+    if len(pairs) == 1:
+        which = f"{pairs[0][0]} − {pairs[0][1]}"
+    elif len({b for _, b in pairs}) == 1:
+        which = f"strategy − {pairs[0][1]}"
+    else:
+        which = "difference between strategies"
     ax.set(
-        xlabel=f"{which}, {METRIC_NAMES.get(metric, metric)} (percentage points)",
-        ylabel=" / ".join(shown),
+        xlabel=f"{which}, {name} (percentage points)",
+        ylabel=" / ".join(_KEY_WORDS.get(k, _in_words(k)) for k in shown) or "comparison",
     )
     ax.set_title(
-        title or f"Paired differences in {METRIC_NAMES.get(metric, metric)} ({which}, same seed)",
+        title or f"Paired differences in {name} ({which}, same seed)",
         fontsize=10,
     )
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="best")
     return finish_figure(fig)
+
+
+def _running_mcd(rows: Sequence[dict]) -> list[dict]:
+    """MCD rows of the BatchNorm network evaluated with its running statistics."""
+    return [
+        r
+        for r in rows
+        if r.get("method") == "mcd"
+        and r.get("norm", "batch") == "batch"
+        and r.get("eval_stats", "running") == "running"
+    ]
+
+
+def _draw_random_effect(ax, fit: dict, y: float) -> float:
+    """The random-effects estimate at height ``y``: a diamond over its CI, the prediction interval
+    as a line through it (percentage points). Returns ``y``."""
+    mu, low, high = (100 * fit[k] for k in ("mean", "low", "high"))
+    pi = (100 * fit["pi_low"], 100 * fit["pi_high"])
+    ax.plot(pi, [y, y], color="k", lw=1, label="95% prediction interval, a new split")
+    ax.fill([low, mu, high, mu], [y, y - 0.45, y, y + 0.45], color="k", label="mean, 95% CI")
+    return y
+
+
+def split_forest(
+    rows: Sequence[dict], selected: Sequence[dict] = (), title: str = "", xlim=(-15.0, 30.0)
+):
+    """Concat − separate in AUROC over random class splits, drawn the way a meta-analysis draws its
+    studies: a row per split, sorted by effect, its mean and 95% CI over seeds (Student t); the
+    random-effects estimate (:func:`~mcd_helpers.experiments.significance.split_effects`) as a
+    diamond spanning its 95% CI at the bottom, and the prediction interval for a new split as a
+    line through it. ``selected``: the rows of one more class split (e.g. the primary endpoint's
+    split ``a``), drawn apart at the top and labelled as selected, not part of the fit. Units: AUROC
+    percentage points; ``xlim`` clips the widest whiskers (3 seeds give wide t intervals).
+
+    Raises:
+        ValueError: as ``split_effects`` (fewer than 3 splits, unequal seeds, more than one task,
+        protocol or selection), or ``selected`` holding more than one class split.
+    """
+    fit = split_effects(rows)
+    pairs = sorted(paired_differences(_running_mcd(rows)), key=lambda d: -d["mean"])
+    extra = paired_differences(_running_mcd(selected)) if selected else []
+    if len(extra) > 1:
+        raise ValueError(
+            f"selected holds {len(extra)} class splits or protocols; pass the rows of one."
+        )
+    fig, ax = plt.subplots(figsize=(7.5, 2.0 + 0.2 * (len(pairs) + 3 * len(extra))))
+    ticks, labels = [], []
+    for d in extra:  # at the top, apart from the random splits
+        ax.errorbar(100 * d["mean"], -2, xerr=100 * d["half_width"], fmt="s", color="C3", capsize=3)
+        ticks.append(-2)
+        labels.append(
+            f"split {d['class_split']}: selected after a first look ({len(d['diffs'])} seeds)"
+        )
+    ax.errorbar(
+        [100 * d["mean"] for d in pairs],
+        range(len(pairs)),
+        xerr=[100 * d["half_width"] for d in pairs],
+        fmt="o",
+        color="C0",
+        ms=4,
+        capsize=2,
+        label="a random split: mean, 95% CI over its seeds",
+    )
+    ticks += range(len(pairs))
+    labels += [f"{d['class_split']} ({len(d['diffs'])} seeds)" for d in pairs]
+    ticks.append(_draw_random_effect(ax, fit, y=len(pairs) + 1))
+    labels.append(f"average split ({fit['k']} random splits, random effect)")
+    ax.set_yticks(ticks, labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.axvline(0, color="grey", linestyle="--", linewidth=1)
+    ax.set_xlim(*xlim)
+    ax.set(
+        xlabel="concat − separate, AUROC points (> 0: concat detects better)",
+        ylabel="class split (ID classes / held-out classes)",
+    )
+    ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1, 0.13))
+    return finish_figure(
+        fig, title or "Concatenating against separate forwards, class split by class split"
+    )
 
 
 def plot_by_protocol(summary: Sequence[dict], metric: str = "auroc"):

@@ -3,8 +3,8 @@ paired differences, endpoints and split effects, and its figures.
 
 * :func:`benchmark_tables` (summaries and paired differences), the views notebook 07 shows
   (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`), and
-* :func:`write_report` (``summary.md``, ``forest.png``, ``by_protocol.png``, ``splits.png``):
-  ``write_report(json.load(f), folder)`` rebuilds them.
+* :func:`write_report` (``summary.md`` and :func:`draw_figures`: ``forest.png``,
+  ``by_protocol.png``, ``splits.png``): ``write_report(json.load(f), folder)`` rebuilds them.
 """
 
 import math
@@ -14,7 +14,7 @@ from typing import Sequence
 
 from ..strategies import STRATEGIES
 from ..tables import METHOD_NAMES, METRIC_NAMES, markdown_table
-from .figures import forest_plot, plot_by_protocol, protocol_order
+from .figures import forest_plot, plot_by_protocol, protocol_order, split_forest
 from .files import atomic_write, write_buffered
 from .significance import (
     EQUIVALENCE,
@@ -409,16 +409,22 @@ def write_report(
     seconds: float | None = None,
     endpoints: Sequence = (),
 ) -> None:
-    """``summary.md`` and, with near-OOD rows, ``forest.png``, ``by_protocol.png`` (the first
-    selection) and, with 3 or more class splits, ``splits.png`` (concat - separate per split) in
-    ``folder``."""
+    """``summary.md`` and the figures of :func:`draw_figures` in ``folder``."""
+    atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds, endpoints))
+    draw_figures(rows, folder)
+
+
+def draw_figures(rows: Sequence[dict], folder: Path) -> None:
+    """With near-OOD rows, ``forest.png``, ``by_protocol.png`` (the first selection) and, with 3 or
+    more class splits, ``splits.png`` (concat − separate per split: a meta-analysis forest,
+    :func:`~mcd_helpers.experiments.figures.split_forest`, when one protocol and selection has
+    them) in ``folder``."""
     import matplotlib.pyplot as plt
 
     def save(name: str, fig) -> None:
         write_buffered(Path(folder) / name, lambda f: fig.savefig(f, format="png", dpi=100))
         plt.close(fig)
 
-    atomic_write(Path(folder) / "summary.md", summary_text(rows, title, seconds, endpoints))
     summary, paired = benchmark_tables(rows, "near-ood")  # empty without near-OOD rows
     if entries := forest_entries(paired):
         save(
@@ -434,7 +440,15 @@ def write_report(
                 ),
             ),
         )
-    if split_effect_tables(rows):  # per class split first, then their block mean (split "all")
+    effects = split_effect_tables(rows)
+    if len(effects) == 1:  # one protocol and selection: the random-effects forest
+        where = (effects[0]["protocol"], effects[0]["selection"])
+        these = [r for r in rows if r["task"] == "near-ood"]
+        save(
+            "splits.png",
+            split_forest([r for r in these if (r["protocol"], r["selection"]) == where]),
+        )
+    elif effects:  # per class split first, then their block mean (split "all")
         save(
             "splits.png",
             forest_plot(
