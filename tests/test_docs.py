@@ -1,5 +1,6 @@
 """The README is a front page and every page it links to exists: no broken link or image."""
 
+import json
 import re
 from pathlib import Path
 
@@ -26,6 +27,23 @@ def test_readme_is_a_front_page():
     ):
         first_use = text.index(term)
         assert text.index(f"**{term}**") + 2 == first_use, f"{term!r} is used before it is defined"
+
+
+def answer_block(text: str) -> str:
+    """The project's answer: the text between its two markers (docs/answer.md is its home)."""
+    begin, end = "<!-- answer:begin -->", "<!-- answer:end -->"
+    assert text.count(begin) == text.count(end) == 1, "the answer's markers, once each"
+    return text.split(begin)[1].split(end)[0]
+
+
+def test_the_answer_is_said_the_same_way_everywhere():
+    # one home, docs/answer.md: the README shows it as it is; notebooks 02 and 07 render the file
+    answer = answer_block((ROOT / "docs" / "answer.md").read_text())
+    assert answer_block((ROOT / "README.md").read_text()) == answer
+    for stem in ("02_concat_vs_separate", "07_protocols_and_strategies"):
+        cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
+        code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
+        assert any('"docs" / "answer.md"' in c and "Markdown(" in c for c in code), stem
 
 
 def test_every_relative_link_and_image_exists():
