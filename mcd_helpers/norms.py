@@ -12,6 +12,12 @@ streams. Three fixes from practice (notebooks 07 and 08):
 * :func:`recalibrate_bn` -- after training, recompute the running statistics on ID data alone
   (an equal-weight average over batches, as ``torch.optim.swa_utils.update_bn``).
 * :func:`freeze_bn` -- BatchNorm in eval mode during training: no sample is coupled to another.
+
+And one probe of the coupling itself, for the mechanism study (docs/near-ood.md):
+
+* :func:`detached_stats_batchnorm` -- train-mode BatchNorm whose batch mean and variance carry no
+  gradient: the forward and the running statistics as ``nn.BatchNorm``'s, the backward as if the
+  statistics were constants.
 """
 
 import contextlib
@@ -231,4 +237,79 @@ def freeze_bn(model: nn.Module) -> nn.Module:
         raise ValueError("freeze_bn: the model has no BatchNorm layer.")
     for m in layers:
         m.eval()
+    return model
+
+
+class DetachedStatsBatchNorm(nn.BatchNorm2d):
+    """Train-mode BatchNorm without a gradient through its batch statistics.
+
+    The forward normalises with the batch's mean and biased variance over every axis but the
+    channel one and updates the running statistics (unbiased variance, ``momentum``; ``None``: a
+    cumulative average), exactly as ``nn.BatchNorm*d`` does; the backward treats the mean and the
+    variance as constants, so ``dy/dx = weight / sqrt(var + eps)`` per channel and no sample's
+    gradient reaches another through the statistics. Eval mode is ``nn.BatchNorm``'s. A subclass of
+    ``nn.BatchNorm2d`` that accepts any input ``(N, C, *)``, so that :func:`recalibrate_bn` and
+    :func:`freeze_bn` treat it as BatchNorm.
+
+    Shapes: x ``(N, C)`` or ``(N, C, *)`` -> the same shape.
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected an input (N, C, *), got shape {tuple(x.shape)}.")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input_dim(x)
+        if not self.training:
+            return super().forward(x)
+        dims = [0, *range(2, x.dim())]
+        # the statistics in float32 at least (as BatchNorm does under autocast)
+        xs = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        var, mean = torch.var_mean(xs, dims, correction=0)
+        n = x.numel() // x.shape[1]
+        with torch.no_grad():
+            self.num_batches_tracked += 1
+            if self.momentum is None:
+                momentum = 1.0 / float(self.num_batches_tracked)
+            else:
+                momentum = self.momentum
+            self.running_mean.lerp_(mean.to(self.running_mean.dtype), momentum)
+            unbiased = var * n / max(n - 1, 1)
+            self.running_var.lerp_(unbiased.to(self.running_var.dtype), momentum)
+        # eval-mode batch_norm with the batch's statistics, detached: normalised as in train mode
+        return F.batch_norm(
+            x, mean.detach(), var.detach(), self.weight, self.bias, False, 0.0, self.eps
+        )
+
+
+def detached_stats_batchnorm(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` with every ``BatchNorm{1,2,3}d`` replaced by
+    :class:`DetachedStatsBatchNorm` holding its parameters and statistics (the state dict keeps its
+    keys).
+
+    Raises:
+        ValueError: if the model has no BatchNorm layer, or one without affine parameters or
+        running statistics.
+    """
+    model = copy.deepcopy(model)
+    found = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, _BN) and not isinstance(child, DetachedStatsBatchNorm)
+    ]
+    if not found:
+        raise ValueError("the model has no BatchNorm layer whose statistics could be detached.")
+    for parent, name, child in found:
+        if not child.affine or not child.track_running_stats:
+            raise ValueError(
+                f"{child} cannot have its statistics detached: needs affine=True and "
+                "track_running_stats=True."
+            )
+        new = DetachedStatsBatchNorm(child.num_features, child.eps, child.momentum).to(
+            child.weight.device, child.weight.dtype
+        )
+        new.load_state_dict(child.state_dict())
+        new.train(child.training)
+        setattr(parent, name, new)
     return model

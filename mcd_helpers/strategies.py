@@ -172,8 +172,10 @@ class Strategy:
             ``"with-unlabeled"`` (one forward of labeled + unlabeled, the loss on the labeled rows).
         step_b: Step B's layout of the labeled and the unlabeled batch (:data:`LAYOUTS`).
         batchnorm: BatchNorm while fine-tuning: ``"train"`` (batch statistics; the running ones
-            updated), ``"per-source"`` (train mode, running statistics kept per source) or
-            ``"eval"`` (the running statistics, never updated: no sample is coupled to another).
+            updated), ``"per-source"`` (train mode, running statistics kept per source),
+            ``"detached-stats"`` (train mode, no gradient through the batch statistics:
+            :func:`~mcd_helpers.norms.detached_stats_batchnorm`) or ``"eval"`` (the running
+            statistics, never updated: no sample is coupled to another).
         eval_stats: the statistics the evaluation uses: ``"running"`` (the network's own),
             ``"per-source"`` (the labeled source's) or ``"recalibrated"`` (recomputed on labeled ID
             data after fine-tuning).
@@ -214,6 +216,12 @@ STRATEGIES = {
                  "separate with BatchNorm in eval mode while fine-tuning (no coupling)"),
         Strategy("frozen-bn-concat", "labeled", "concat", "eval", "running", "frozen-bn-concat",
                  "concat with BatchNorm in eval mode: the same network as frozen-bn"),
+        Strategy("interleave", "labeled", "interleave", "train", "running", "interleave",
+                 "two forwards in Step B, each half labeled and half unlabeled (FixMatch's)"),
+        Strategy("separate-detached", "labeled", "separate", "detached-stats", "running",
+                 "separate-detached", "separate, no gradient through BatchNorm's batch statistics"),
+        Strategy("concat-detached", "labeled", "concat", "detached-stats", "running",
+                 "concat-detached", "concat, no gradient through BatchNorm's batch statistics"),
     )
 }
 # fmt: on

@@ -8,7 +8,9 @@ import dataclasses
 import json
 import re
 import shutil
+import subprocess
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,6 +34,8 @@ QUICK, TINY, SEEDS = "near-ood-quick", "near-ood-tiny", 2
 needs_fmnist = pytest.mark.skipif(
     not DEBIAN_FMNIST_DIR.exists(), reason="dataset-fashion-mnist not installed"
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(
@@ -208,6 +212,9 @@ def test_every_protocol_selection_method_and_strategy_has_one_row_and_the_output
     )
     run = json.loads((out / "run.json").read_text())
     assert run["status"] == "finished" and (run["rows"], run["cells"]) == (len(rows), SEEDS * 4)
+    # the commit that ran, from git itself (None outside a checkout)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    assert (run["commit"] or "").split("+")[0] == (head.stdout.strip() or "")
     summary = (out / "summary.md").read_text()
     assert (
         summary.startswith(f"# Benchmark {TINY}: the whole grid at toy size")

@@ -158,13 +158,13 @@ def test_help_shows_the_named_presets_own_defaults(preset):
     assert MCDConfig().finetune_lr == 0.01
 
 
-def test_every_flag_has_help_and_strategies_lists_all_seven():
+def test_every_flag_has_help_and_strategies_lists_every_strategy():
     from mcd_helpers.strategies import STRATEGIES
 
     parser = build_parser([])
     for sub in parser._subparsers._group_actions[0].choices.values():
         assert all(a.help for a in sub._actions), [a.dest for a in sub._actions if not a.help]
-    assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 7
+    assert all(s in _help_of([])["strategies"] for s in STRATEGIES) and len(STRATEGIES) == 10
     bench = {
         a.dest: a.help for a in parser._subparsers._group_actions[0].choices["benchmark"]._actions
     }

@@ -10,7 +10,9 @@ from torch import nn
 from mcd_helpers.compare import compare_forwards
 from mcd_helpers.models import small_cnn
 from mcd_helpers.norms import (
+    DetachedStatsBatchNorm,
     PerSourceBatchNorm,
+    detached_stats_batchnorm,
     freeze_bn,
     has_sources,
     per_source_batchnorm,
@@ -234,3 +236,35 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
 def test_refused_models_and_arguments(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+def test_detached_statistics_batchnorm_by_hand_in_float64():
+    # forward and running statistics: nn.BatchNorm2d's; backward: the statistics as constants,
+    # written out here: y = w (x - mu) / sqrt(var + eps) + b, so dL/dx = g w / sqrt(var + eps)
+    torch.manual_seed(0)
+    bn = nn.BatchNorm2d(3, momentum=0.3).double()
+    with torch.no_grad():
+        bn.weight.copy_(torch.tensor([1.5, -0.5, 2.0]))
+        bn.bias.copy_(torch.tensor([0.1, 0.2, 0.3]))
+    net = detached_stats_batchnorm(nn.Sequential(bn)).train()
+    x = torch.randn(5, 3, 2, 2, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, 3, 2, 2, dtype=torch.float64)
+    y = net(x)
+    (y * g).sum().backward()
+    mu = x.detach().mean((0, 2, 3), keepdim=True)
+    var = ((x.detach() - mu) ** 2).mean((0, 2, 3), keepdim=True)  # biased, 20 values a channel
+    w, b = bn.weight.detach().view(1, 3, 1, 1), bn.bias.detach().view(1, 3, 1, 1)
+    torch.testing.assert_close(y, w * (x.detach() - mu) / torch.sqrt(var + bn.eps) + b)
+    torch.testing.assert_close(x.grad, g * w / torch.sqrt(var + bn.eps))
+    # running statistics: 0.7 * (0, 1) + 0.3 * (mean, unbiased variance)
+    layer = net[0]
+    torch.testing.assert_close(layer.running_mean, 0.3 * mu.flatten())
+    torch.testing.assert_close(layer.running_var, 0.7 + 0.3 * var.flatten() * 20 / 19)
+    assert isinstance(layer, DetachedStatsBatchNorm) and layer.num_batches_tracked.item() == 1
+    # plain BatchNorm's gradient differs: it flows through the mean and the variance
+    x2 = x.detach().clone().requires_grad_(True)
+    (bn.train()(x2) * g).sum().backward()
+    assert (x2.grad - x.grad).abs().max() > 1e-3
+    # eval mode: the running statistics, as nn.BatchNorm
+    net.eval()
+    torch.testing.assert_close(net(x.detach()), bn.eval()(x.detach()))

@@ -487,3 +487,28 @@ def test_split_effects_refuses_splits_with_different_numbers_of_seeds():
     ]
     with pytest.raises(ValueError, match=r"\{'s0': 4, 's1': 3, "):
         split_effects(rows)
+
+
+def test_hodges_lehmann_is_the_median_of_walsh_averages_by_hand():
+    from mcd_helpers.experiments.significance import hodges_lehmann
+
+    # Walsh averages of (1, 2, 10): 1, 1.5, 5.5, 2, 6, 10 -> median (2 + 5.5) / 2
+    out = hodges_lehmann([1.0, 2.0, 10.0])
+    assert (out["hl"], out["median"], out["n"]) == (3.75, 2.0, 3)
+    # a collapsed seed moves the mean by 2.5, the shift by far less; its interval holds the shift
+    bulk = [4.0, 4.5, 5.0, 3.5, 4.2, 4.8, 3.9, 4.4]
+    out = hodges_lehmann(bulk + [24.0])
+    assert abs(out["hl"] - np.median(bulk)) < 0.5 < np.mean(bulk + [24.0]) - np.mean(bulk)
+    assert out["hl_low"] <= out["hl"] <= out["hl_high"]
+    with pytest.raises(ValueError, match="at least 3.*got 2"):
+        hodges_lehmann([1.0, 2.0])
+
+
+def test_collapse_rate_with_the_clopper_pearson_interval_by_hand():
+    from mcd_helpers.experiments.significance import collapse_rate
+
+    out = collapse_rate([0.5, 0.9, 0.6, 0.95] + [0.9] * 16, threshold=0.73)  # 2 of 20 below
+    # exact interval: beta quantiles (Clopper & Pearson 1934)
+    low, high = st.beta.ppf(0.025, 2, 19), st.beta.ppf(0.975, 3, 18)
+    assert (out["collapsed"], out["n"], out["rate"]) == (2, 20, 0.1)
+    assert (out["low"], out["high"]) == pytest.approx((low, high), rel=1e-9)

@@ -249,3 +249,20 @@ def test_split_bn_fine_tunes_a_copy_with_statistics_per_source(run):
         assert not torch.allclose(m.running_mean[0], m.running_mean[1])
     for k, v in base.state_dict().items():  # the pre-trained network is not changed
         assert torch.equal(v, before[k]), k
+
+
+def test_recalibration_images_by_source():
+    from mcd_helpers.splits import Split
+
+    x_sup = torch.arange(30.0).view(30, 1, 1, 1)  # labeled images 0..29
+    x_unsup = 100 + torch.arange(12.0).view(12, 1, 1, 1)  # unlabeled images 100..111
+    empty = torch.empty(0)
+    split = Split(x_sup, empty, x_unsup, *[empty] * 6)
+    assert torch.equal(stages.recalibration_images(split, "labeled"), x_sup)
+    assert torch.equal(stages.recalibration_images(split, "unlabeled"), x_unsup)
+    mixed = stages.recalibration_images(split, "mixture", seed=1).flatten()
+    # 2 labeled : 1 unlabeled, as Step A + Step B feed BatchNorm: all 12 unlabeled, 24 labeled
+    assert sorted(mixed.tolist()) == list(range(24)) + list(range(100, 112))
+    assert (mixed[:12] >= 100).sum() not in (0, 12)  # shuffled: a batch holds both
+    with pytest.raises(ValueError, match="labeled, unlabeled, mixture.*'test'"):
+        stages.recalibration_images(split, "test")

@@ -31,6 +31,7 @@ Example: ``python -m mcd_helpers benchmark --preset near-ood-quick --out runs/ne
 import dataclasses
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -68,8 +69,9 @@ class BenchmarkPreset:
     reference: tuple[str, ...] = ("separate",)
     far_ood_sets: tuple[str, ...] = ()
     far_strategies: tuple[str, ...] = ("separate", "concat")
-    # also evaluate each BatchNorm network with recalibrated statistics (eval_stats)
-    recalibrated: bool = False
+    # also evaluate each BatchNorm network with statistics recalibrated on each of these sources
+    # (stages.RECALIBRATION_SOURCES: labeled, unlabeled, mixture; the rows' eval_stats)
+    recalibrated: tuple[str, ...] = ()
     # (a, b, metric, eval_stats): the primary, then secondaries
     endpoints: tuple[tuple[str, str, str, str], ...] = ()
     # (MCDConfig field, values): near-OOD cells per value (dose-response)
@@ -174,7 +176,7 @@ BENCHMARK_PRESETS = {
         protocols=("disjoint",),
         selections=("last-epoch",),
         reference=(),
-        recalibrated=True,
+        recalibrated=("labeled",),
         strategies=("separate", "concat", "concat-both", "frozen-bn", "frozen-bn-concat"),
         seeds=20,
         max_seeds=40,
@@ -216,7 +218,7 @@ BENCHMARK_PRESETS = {
         "bn_momentum",
         (0.01, 0.03, 0.1, 0.3, 1.0),
         "BatchNorm's momentum (0.01 to 1)",
-        recalibrated=True,
+        recalibrated=("labeled",),
     ),
     # Generality: 30 random 6/4 class splits (splits.random_class_splits, seed 0) x 3 seeds on the
     # primary's setting, concat and separate; analysed with split as a random effect
@@ -248,6 +250,25 @@ BENCHMARK_PRESETS = {
         endpoints=(("concat", "separate", "auroc", "running"),),
         about="the primary endpoint on resnet_20: split a, disjoint, last epoch, concat and "
         "separate, 10 seeds; CPU",
+    ),
+    # The mechanism study (benchmarks/mechanism-plan.md, registered before its run): the primary's
+    # setting at the full OOD share and at none, five arms that take the coupling apart (interleave:
+    # separate's BatchNorm batch size with concat's mixing; *-detached: no gradient through the
+    # batch statistics), each network also evaluated with statistics recalibrated on the labeled
+    # images, the unlabeled pool and a mixture. Fresh seeds: run it with --seeds 20-29.
+    "mechanism": BenchmarkPreset(
+        _PRIMARY,
+        class_splits=("a",),
+        protocols=("disjoint",),
+        selections=("last-epoch",),
+        strategies=("separate", "concat", "interleave", "separate-detached", "concat-detached"),
+        reference=(),
+        recalibrated=("labeled", "unlabeled", "mixture"),
+        doses=(("unlabeled_ood_fraction", (1.0, 0.0)),),
+        seeds=10,
+        max_seeds=40,
+        about="why concat wins: 5 arms x 4 evaluation statistics at the full OOD share and at "
+        "none, split a, disjoint, last epoch; CPU",
     ),
     # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
@@ -416,7 +437,7 @@ def _cell_config(p: BenchmarkPreset, cell: Cell, **more) -> MCDConfig:
 
 def _score_file(stem: str, row: dict) -> str:
     """The path, in ``--out``, of a row's scores."""
-    stats = "recalibrated" if is_recalibrated_copy(row) else ""
+    stats = row["eval_stats"] if is_recalibrated_copy(row) else ""
     parts = (stem, row["selection"], row["method"], row["strategy"], stats)
     return "scores/" + "_".join(filter(None, parts)) + ".npz"
 
@@ -461,6 +482,23 @@ def code_version() -> str:
     package = cache.PACKAGE
     modules = sorted(str(f.relative_to(package)) for f in package.rglob("*.py"))
     return cache.code_version(package, tuple(modules))
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout the package runs from, ``+changes`` appended when files differ
+    from it; None outside a git checkout (an installed package) or without git."""
+    root = cache.PACKAGE.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=30)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    try:
+        head = git("rev-parse", "HEAD")
+        changed = bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (head + ("+changes" if changed else "")) or None
 
 
 def _one_process() -> None:
@@ -572,6 +610,7 @@ def run_benchmark(
     out, t0, log = Path(out_dir), time.time(), (lambda msg: None) if quiet else tqdm.write
     settings, grid = _settings(p, preset)
     with output_folder(out, settings, resume, fresh, quiet) as info:
+        info["commit"] = git_commit()  # which registered plan and code ran (run.json)
         data = load_data(p.config)
         # every split of the grid checked before any training (each cell makes its own again: the
         # generated OOD images depend on its seed, and a grid's splits together take gigabytes)

@@ -97,7 +97,7 @@ class MCDConfig:
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
     # rows of strategies.STRATEGIES: separate, concat, split-bn, recalibrate, concat-both,
-    # frozen-bn, frozen-bn-concat
+    # frozen-bn, frozen-bn-concat, interleave, separate-detached, concat-detached
     strategies: tuple[str, ...] = ("separate", "concat")
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
@@ -233,7 +233,12 @@ def _combinations(cfg: MCDConfig) -> list[tuple[str, bool, str]]:
          f"strategies must be a non-empty subset of {tuple(STRATEGIES)}, got {cfg.strategies}"),
         ("strategies", cfg.norm == "batch" or not set(needs_bn) & set(cfg.strategies),
          f"strategies {', '.join(needs_bn)} need norm='batch'; with norm={cfg.norm!r} use "
-         "separate, concat or concat-both"),
+         f"{', '.join(s for s in STRATEGIES if s not in needs_bn)}"),
+        ("batch_size_unsup",
+         "interleave" not in cfg.strategies or cfg.batch_size_sup == cfg.batch_size_unsup,
+         "strategy interleave splits labeled + unlabeled into two forwards of equal halves: it "
+         f"needs batch_size_sup == batch_size_unsup, got {cfg.batch_size_sup} and "
+         f"{cfg.batch_size_unsup}"),
         ("norm", cfg.model == "small_cnn" or cfg.norm == "batch",
          f"norm={cfg.norm!r} is for small_cnn only"),
         ("sync_bn", not cfg.sync_bn or cfg.device.startswith("cuda"),

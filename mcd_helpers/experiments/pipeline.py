@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 from ..splits import Split
 from ..strategies import STRATEGIES
 from .evaluation import METHODS, evaluate, timed
-from .stages import RunOptions, finetuned, pretrained, recalibrated
+from .stages import RECALIBRATION_SOURCES, RunOptions, finetuned, pretrained, recalibrated
 
 
 @dataclasses.dataclass
@@ -50,17 +50,18 @@ def run_ood_set(
     methods: Sequence[str] = METHODS,
     how: RunOptions = RunOptions(),
     on_epoch: Callable | None = None,
-    recalibrated_rows: bool = False,
+    recalibrated_rows: Sequence[str] = (),
 ) -> Result:
     """The pre-trained network, a fine-tuning per strategy of ``cfg.strategies``, evaluated under
     each selection (default ``cfg.selection``; all from the same runs).
     ``on_epoch(strategy, epoch, history)`` when given.
 
     Every row carries ``model`` and ``eval_stats``, the BatchNorm statistics it was evaluated with
-    (the strategy's ``eval_stats``: ``"running"``, ``"per-source"`` or ``"recalibrated"``); with
-    ``recalibrated_rows`` one more MCD row per strategy evaluated with running statistics on a
-    BatchNorm network: a copy with the statistics recomputed (:func:`recalibrated`), timed as stage
-    "recalibration". MCD rows carry ``finetune_steps``, the steps up to the selected epoch.
+    (the strategy's ``eval_stats``: ``"running"``, ``"per-source"`` or ``"recalibrated"``); for
+    each source of ``recalibrated_rows`` (:data:`~.stages.RECALIBRATION_SOURCES`) one more MCD row
+    per strategy evaluated with running statistics on a BatchNorm network: a copy with the
+    statistics recomputed on that source (:func:`recalibrated`), timed as stage "recalibration".
+    MCD rows carry ``finetune_steps``, the steps up to the selected epoch.
     """
     # once each
     how = dataclasses.replace(how, retrain=set() if how.retrain is True else how.retrain)
@@ -85,11 +86,14 @@ def run_ood_set(
             scores[f"mcd:{r['strategy']}" if r["method"] == "mcd" else r["method"]] for r in found
         ]
         running = [s for s in tuned if STRATEGIES[s].eval_stats == "running"]
-        if recalibrated_rows and cfg.norm == "batch" and running:
+        for source in recalibrated_rows if cfg.norm == "batch" and running else ():
             with timed(seconds, "recalibration"):
-                again = {s: recalibrated(cfg, copy.deepcopy(tuned[s]), split) for s in running}
+                again = {
+                    s: recalibrated(c, copy.deepcopy(tuned[s]), split, source) for s in running
+                }
             more, more_scores = evaluate(c, base, again, split, ood, ("mcd",))
-            found += [{**r, "model": cfg.model, "eval_stats": "recalibrated"} for r in more]
+            stats = RECALIBRATION_SOURCES[source]
+            found += [{**r, "model": cfg.model, "eval_stats": stats} for r in more]
             row_scores += [more_scores[f"mcd:{r['strategy']}"] for r in more]
         for r in (r for r in found if r["method"] == "mcd"):
             _mcd_fields(r, hists[r["strategy"]], secs[r["strategy"]])

@@ -48,20 +48,23 @@ def _ci(ci: dict, signed: bool = False) -> str:
 
 
 def is_recalibrated_copy(row: dict) -> bool:
-    """Whether ``row`` is a network evaluated again with recalibrated statistics, beside its own
-    (not a strategy whose evaluation statistics are recalibrated, such as ``recalibrate``)."""
-    if row.get("eval_stats") != "recalibrated" or row.get("strategy") is None:
+    """Whether ``row`` is a network evaluated again with recalibrated statistics (``eval_stats``
+    ``recalibrated`` or ``recalibrated-<source>``), beside its own (not a strategy whose evaluation
+    statistics are recalibrated, such as ``recalibrate``)."""
+    stats = row.get("eval_stats") or ""
+    if not stats.startswith("recalibrated") or row.get("strategy") is None:
         return False
-    return STRATEGIES[row["strategy"]].eval_stats != "recalibrated"
+    return STRATEGIES[row["strategy"]].eval_stats != stats
 
 
 def arms(rows: Sequence[dict]) -> list[dict]:
     """The rows with each :func:`is_recalibrated_copy` renamed to strategy
-    ``"<strategy> (recalibrated)"``, so that the tables group and pair it as an arm of its own; rows
-    written before doses existed get ``dose = ""``."""
+    ``"<strategy> (<eval_stats>)"`` (e.g. ``"concat (recalibrated)"``), so that the tables group and
+    pair it as an arm of its own; rows written before doses existed get ``dose = ""``."""
     out = []
     for r in rows:
-        renamed = {"strategy": r["strategy"] + RECAL} if is_recalibrated_copy(r) else {}
+        copied = is_recalibrated_copy(r)
+        renamed = {"strategy": f"{r['strategy']} ({r['eval_stats']})"} if copied else {}
         out.append({"dose": "", **r, **renamed})
     return out
 

@@ -23,7 +23,7 @@ from torch import nn
 from ..data import load_id, load_ood, set_seed
 from ..errors import CheckpointError
 from ..models import build_model
-from ..norms import per_source_batchnorm, recalibrate_bn
+from ..norms import detached_stats_batchnorm, per_source_batchnorm, recalibrate_bn
 from ..splits import HELD_OUT, Split, class_split, keep_classes, protocol_split, transductive_split
 from ..strategies import get_strategy
 from . import ddp
@@ -31,8 +31,14 @@ from .cache import cache_key, cached
 from .config import check_batch_sizes
 from .loop import History, train
 
-# eval statistics "recalibrated": from the first 10,000 labeled images
+# eval statistics recomputed after fine-tuning: at most 10,000 images
 RECALIBRATION_IMAGES = 10_000
+# the images recalibrated statistics come from -> the eval_stats of the rows evaluated with them
+RECALIBRATION_SOURCES = {
+    "labeled": "recalibrated",  # labeled ID images
+    "unlabeled": "recalibrated-unlabeled",  # the unlabeled fine-tuning pool (ID and OOD)
+    "mixture": "recalibrated-mixture",  # both, 2 labeled : 1 unlabeled, shuffled together
+}
 
 
 @dataclasses.dataclass
@@ -206,8 +212,9 @@ def finetuned(
     ``set_seed(cfg.seed)``), holding the weights of the epoch ``cfg.selection`` keeps.
 
     The strategy's row of :data:`~mcd_helpers.strategies.STRATEGIES` says how: a per-source
-    BatchNorm copy for ``split-bn``; ``recalibrate`` shares ``separate``'s run (``trains_as``, one
-    cache entry) and gets its statistics recomputed (:func:`recalibrated`) after model selection.
+    BatchNorm copy for ``split-bn``, one with detached batch statistics for ``*-detached``;
+    ``recalibrate`` shares ``separate``'s run (``trains_as``, one cache entry) and gets its
+    statistics recomputed (:func:`recalibrated`) after model selection.
     ``on_epoch(epoch, history)`` after every epoch (a cached run replays its epochs). Checkpoints in
     ``how.checkpoint_dir/mcd-<ood>-<trained strategy>.pt``.
 
@@ -215,7 +222,12 @@ def finetuned(
         ``(model on cfg.device, history with best_epoch the selected epoch, training seconds)``.
     """
     row = get_strategy(strategy)
-    model = per_source_batchnorm(base) if row.batchnorm == "per-source" else copy.deepcopy(base)
+    if row.batchnorm == "per-source":
+        model = per_source_batchnorm(base)
+    elif row.batchnorm == "detached-stats":
+        model = detached_stats_batchnorm(base)
+    else:
+        model = copy.deepcopy(base)
     checkpoint = _checkpoint(how, f"mcd-{ood}-{row.trains_as}.pt")
 
     def shown(epoch: int, h: History) -> None:  # the live view marks the epoch the selection keeps
@@ -247,9 +259,35 @@ def finetuned(
     return model, hist, state["seconds"]
 
 
-def recalibrated(cfg, model: nn.Module, split: Split) -> nn.Module:
-    """``model`` on ``cfg.device`` with its BatchNorm statistics recomputed on the first
-    :data:`RECALIBRATION_IMAGES` labeled images (:func:`~mcd_helpers.norms.recalibrate_bn`), in
-    place."""
-    x = split.x_sup[:RECALIBRATION_IMAGES].to(cfg.device)
+def recalibration_images(split: Split, source: str = "labeled", seed: int = 0) -> torch.Tensor:
+    """The images BatchNorm's statistics are recomputed on, at most :data:`RECALIBRATION_IMAGES`:
+    the first labeled ones (``"labeled"``), the unlabeled fine-tuning pool (``"unlabeled"``), or
+    both in the proportions an official-schedule iteration's BatchNorm sees them (``"mixture"``:
+    Step A's labeled batch, then Step B's labeled and unlabeled one, 2 : 1 at equal batch sizes),
+    shuffled together with ``seed`` so that every batch holds both.
+
+    Shapes: ``(N, C, H, W)``.
+
+    Raises:
+        ValueError: an unknown source (the valid ones named).
+    """
+    if source not in RECALIBRATION_SOURCES:
+        raise ValueError(
+            f"recalibration source must be one of {', '.join(RECALIBRATION_SOURCES)}, got "
+            f"{source!r}."
+        )
+    if source == "labeled":
+        return split.x_sup[:RECALIBRATION_IMAGES]
+    if source == "unlabeled":
+        return split.x_unsup[:RECALIBRATION_IMAGES]
+    n_unsup = min(len(split.x_unsup), RECALIBRATION_IMAGES // 3, len(split.x_sup) // 2)
+    x = torch.cat([split.x_sup[: 2 * n_unsup], split.x_unsup[:n_unsup]])
+    return x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))]
+
+
+def recalibrated(cfg, model: nn.Module, split: Split, source: str = "labeled") -> nn.Module:
+    """``model`` on ``cfg.device`` with its BatchNorm statistics recomputed on
+    :func:`recalibration_images` of ``source`` (:func:`~mcd_helpers.norms.recalibrate_bn`, batches
+    of ``cfg.batch_size_sup``), in place."""
+    x = recalibration_images(split, source, cfg.seed).to(cfg.device)
     return recalibrate_bn(model.to(cfg.device), x, cfg.batch_size_sup)
