@@ -303,3 +303,24 @@ def test_ood_share_alone_cannot_reach_the_margin(share, k):
     gen = torch.Generator().manual_seed(0)
     l1, l2 = torch.randn(500, k, generator=gen) * 5, torch.randn(500, k, generator=gen) * 5
     assert ((entropy(l1) - entropy(l2)).abs() <= math.log(k) + 1e-6).all()  # no sample beyond log K
+
+
+def test_sharded_discrepancy_equals_the_global_one_only_while_the_hinge_is_open():
+    # notebook 06: DDP averages per-rank losses; the hinge of each shard's mean gap, averaged over
+    # two equal shards, is the hinge of the global mean only while no shard's gap passes the margin
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(4, 3, generator=g, dtype=torch.float64)
+    b = 4 * torch.randn(4, 3, generator=g, dtype=torch.float64)
+
+    def h(z):  # entropy by hand, nats
+        p = z.softmax(1)
+        return -(p * p.log()).sum(1)
+
+    shard = [(h(a[:2]) - h(b[:2])).mean().item(), (h(a[2:]) - h(b[2:])).mean().item()]
+    whole_mean = sum(shard) / 2
+    assert shard[0] != shard[1]
+    for m in (max(shard) + 0.1, (max(shard) + whole_mean) / 2):  # open on both; closed on one
+        sharded = (discrepancy_loss(a[:2], b[:2], m) + discrepancy_loss(a[2:], b[2:], m)) / 2
+        whole = discrepancy_loss(a, b, m)
+        assert whole.item() == pytest.approx(m - whole_mean, abs=1e-12)
+        assert (abs(sharded - whole).item() < 1e-12) == (m > max(shard)), (shard, m)

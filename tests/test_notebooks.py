@@ -51,8 +51,9 @@ def test_first_cell_says_what_it_needs_builds_and_takes_as_the_readme_does(path)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
-def test_committed_without_outputs(path):
+def test_committed_without_outputs_and_with_a_python_kernelspec(path):
     nb = nbformat.read(path, as_version=4)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", path.name
     with_out = [
         i
         for i, c in enumerate(nb.cells)

@@ -5,9 +5,12 @@ multiplied by 100 here). The gap is ``ours - paper`` in percentage points: for A
 means we are worse, for FPR95 and detection error a positive one does.
 
 * :data:`PAPER_ROWS`, :data:`PAPER_SOURCE`: Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the results
-  table for DenseNet-BC (L = 100, k = 12) with CIFAR-10 as ID, ODIN / ELOC / MCD. Not checked
-  against the paper offline (nor the table's number): check arXiv 1908.04951 before citing a row.
-* :data:`UNOFFICIAL_ROWS`: the unofficial reproduction's AUROC on TINr (a figure of its README).
+  table for DenseNet-BC (L = 100, k = 12) with CIFAR-10 as ID, ODIN / ELOC / MCD, as the project's
+  reference notes transcribe it; the paper's PDF was not opened offline (nor the table's number):
+  check arXiv 1908.04951 before citing a row.
+* :data:`UNOFFICIAL_ROWS`: the unofficial reproduction's AUROC on TINr, the one run a figure of its
+  README prints (``Test AUROC: 0.999``). An "AUROC 99.83 ± 0.03 over 3 runs" once attributed to it
+  appears in no figure of that README (checked 2026-12-07) and is not used.
 * :data:`OPENOOD_ROWS`: OpenOOD v1.5's leaderboard results files (2025), ResNet-18, outlier data
   disjoint from the test sets: context for the benchmark's protocols, not a like-for-like row.
 """
@@ -21,7 +24,7 @@ from ..tables import METRIC_NAMES, markdown_table
 
 PAPER_SOURCE = (
     "Yu & Aizawa, ICCV 2019 (arXiv 1908.04951), the paper's results table for DenseNet-BC, "
-    "CIFAR-10 as ID (not verified offline)"
+    "CIFAR-10 as ID, as the project's reference notes transcribe it (the PDF not opened offline)"
 )
 UNOFFICIAL_SOURCE = (
     "the unofficial reproduction, "
@@ -80,9 +83,8 @@ UNOFFICIAL_ROWS = [
         "model": "densenet",
         "ood": "TINr",
         "method": "mcd",
-        "auroc": 99.83,
-        "auroc_std": 0.03,
-        "runs": 3,
+        "auroc": 99.9,  # "Test AUROC: 0.999", three digits
+        "runs": 1,
     }
 ]
 OPENOOD_ROWS = [
