@@ -1,4 +1,4 @@
-"""CUDA check: MCD fine-tuning of ``densenet_bc_100`` on Fashion-MNIST padded to 32x32; prints
+r"""CUDA check: MCD fine-tuning of ``densenet_bc_100`` on Fashion-MNIST padded to 32x32; prints
 throughput.
 
 The paper's network on the project's offline ID set: a short pre-training (so that the
@@ -10,15 +10,16 @@ run and not timed.
 
 Prepare the data here and carry it to the GPU machine (no data sets there, no network)::
 
-    python benchmarks/cuda_check.py --prepare build/fmnist32.pt        # 20k train + 10k test,
-    uint8, ~31 MB python benchmarks/cuda_check.py --data build/fmnist32.pt --steps 300 --device cuda
-    --json $OUT/cuda_check.json python benchmarks/cuda_check.py --data build/fmnist32.pt --device
-    cuda --set amp=bf16 --set channels_last=True
+    python benchmarks/cuda_check.py --prepare build/fmnist32.pt   # 20k train + 10k test, ~31 MB
+    python benchmarks/cuda_check.py --data build/fmnist32.pt --steps 300 --device cuda \
+        --json $OUT/cuda_check.json
+    python benchmarks/cuda_check.py --data build/fmnist32.pt --device cuda \
+        --set amp=bf16 --set channels_last=True
 
 Smoke check on a CPU (seconds, numbers meaningless)::
 
-    python benchmarks/cuda_check.py --device cpu --steps 2 --warmup 1 --batch 8 --n-train 64
-    --n-test 300 --n-val 100
+    python benchmarks/cuda_check.py --device cpu --steps 2 --warmup 1 --batch 8 --n-train 64 \
+        --n-test 300 --n-val 100
 
 Without ``--data`` the images come from ``mcd_helpers.data.load_fashion_mnist`` (Debian's
 ``dataset-fashion-mnist`` or ``$MCD_DATA_DIR``). OOD set: ODIN's Gaussian noise, padded the same

@@ -11,7 +11,8 @@
 * CIFAR-10/100 (Krizhevsky 2009) through torchvision's classes (download and MD5 checks), ODIN's
   OOD folders (Liang et al., ICLR 2018, arXiv 1706.02690; github.com/facebookresearch/odin) from
   their MD5-checked archives, read in ``ImageFolder`` order as the official loader does
-  (github.com/YU1ut/UOOD-MCD ``utils/loader.py``), RGB, ``Resize(32)``, ``CenterCrop(32)``.
+  (github.com/YU1ut/UOOD-MCD ``utils/loader.py``), RGB, ``Resize(32)`` as it does, then a
+  ``CenterCrop(32)`` it does not have (so that a non-square image is 32x32 too).
 * Offline OOD sets for Fashion-MNIST (28x28): ``digits`` (scikit-learn's 1,797 8x8 digits,
   upsampled), ``photo_crops`` (random crops of scikit-learn's two sample photos, the analog of the
   paper's "crop" sets), ODIN's ``gaussian`` (``clamp(N(0.5, 1), 0, 1)``) and ``uniform`` noise;

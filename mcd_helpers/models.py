@@ -12,6 +12,9 @@ style), each a plain :class:`TwoHeadNet`:
 * :func:`resnet_20` -- a pre-activation ResNet-20 (16/32/64 channels), 64-d features, for the CPU;
 * :func:`wrn_28_10` -- Wide ResNet 28-10, dropout 0 (Zagoruyko & Komodakis, BMVC 2016), 640-d
   features.
+
+The paper's two networks start from the official code's initialisation (:func:`authors_init`); the
+CPU-sized ones from PyTorch's defaults.
 """
 
 import torch
@@ -168,10 +171,27 @@ class _DenseLayer(nn.Module):
         return torch.cat([x, self.body(x)], dim=1)  # (N, c_in + k, H, W)
 
 
+def authors_init(g: nn.Module) -> nn.Module:
+    """The official code's initialisation of a feature extractor G, in place: every ``Conv2d``
+    weight drawn from N(0, 2 / (k_h k_w C_out)) (He et al., ICCV 2015, with fan-out), every
+    ``BatchNorm2d`` weight 1 and bias 0; github.com/YU1ut/UOOD-MCD at 1ab5ff6,
+    ``models/densenet.py`` lines 102-110 and ``models/wideresnet.py`` lines 67-75, the loop
+    closing each ``__init__``. Its classifiers F1, F2 (``Classifier``, one ``nn.Linear``) keep
+    PyTorch's default, as here. Returns ``g``."""
+    for m in g.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+    return g
+
+
 def densenet_bc_100(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     """DenseNet-BC (L=100, k=12), CIFAR variant (one 3x3 stem conv to 2k channels, no pooling),
     compression 0.5; G ends with BN-ReLU-global average pooling: 342-d features, about 0.8 M
-    parameters. The paper's first network.
+    parameters, initialised as the official code does (:func:`authors_init`). The paper's first
+    network.
 
     Shapes: ``(N, in_channels, 32, 32)`` (any H, W >= 4) -> two ``(N, num_classes)``.
     """
@@ -199,7 +219,8 @@ def densenet_bc_100(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
     ]
     assert channels == 342, channels  # the published feature width
     # 2 pooling transitions
-    return TwoHeadNet(nn.Sequential(*layers), channels, num_classes, in_channels, min_size=4)
+    g = authors_init(nn.Sequential(*layers))
+    return TwoHeadNet(g, channels, num_classes, in_channels, min_size=4)
 
 
 class _WideBasic(nn.Module):
@@ -245,13 +266,15 @@ def _preact_resnet(
 
 
 def wrn_28_10(in_channels: int = 3, num_classes: int = 10) -> TwoHeadNet:
-    """Wide ResNet 28-10 with dropout 0: 640-d features, about 36.5 M parameters. The paper's second
-    network.
+    """Wide ResNet 28-10 with dropout 0: 640-d features, about 36.5 M parameters, initialised as the
+    official code does (:func:`authors_init`). The paper's second network.
 
     Shapes: ``(N, in_channels, 32, 32)`` -> two ``(N, num_classes)``.
     """
     # 16, 32, 64 x widen 10; (depth - 4) / 6
-    return _preact_resnet(in_channels, num_classes, (160, 320, 640), 4)
+    net = _preact_resnet(in_channels, num_classes, (160, 320, 640), 4)
+    authors_init(net.G)
+    return net
 
 
 def resnet_20(in_channels: int = 1, num_classes: int = 10) -> TwoHeadNet:

@@ -210,3 +210,26 @@ def test_bad_builder_arguments_are_refused(kwargs, match):
 def test_two_head_net_refuses_a_one_class_or_channelless_model():
     with pytest.raises(ValueError, match="num_classes.*in_channels.*got 3 and 0"):
         TwoHeadNet(nn.Flatten(), 4, num_classes=3, in_channels=0)
+
+
+def test_the_papers_networks_start_from_the_authors_initialisation():
+    # official models/densenet.py: conv weights N(0, 2 / (k * k * out_channels)); BatchNorm 1 / 0;
+    # the heads (official Classifier: nn.Linear) keep PyTorch's default
+    torch.manual_seed(0)
+    net = densenet_bc_100()
+    convs = [m for m in net.G.modules() if isinstance(m, nn.Conv2d)]
+    w = torch.cat(
+        [
+            m.weight.flatten() / (2 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels)) ** 0.5
+            for m in convs
+        ]
+    )
+    # standardised by the official std: mean 0, variance 1 over 0.8 M draws
+    assert abs(w.mean().item()) < 0.01 and abs(w.var().item() - 1) < 0.01
+    bns = [m for m in net.G.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(bool((m.weight == 1).all() and (m.bias == 0).all()) for m in bns)
+    bound = 1 / net.feature_dim**0.5  # PyTorch's default for nn.Linear: U(-1/sqrt(in), 1/sqrt(in))
+    assert net.F1.weight.abs().max() <= bound and net.F1.bias.abs().max() > 0
+    # the CPU-sized networks keep PyTorch's defaults (kaiming_uniform with a = sqrt(5))
+    first = next(m for m in resnet_20().G.modules() if isinstance(m, nn.Conv2d))
+    assert first.weight.abs().max() <= 1 / (first.weight[0].numel()) ** 0.5
