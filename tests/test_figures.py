@@ -153,7 +153,7 @@ def test_split_forest_sorts_the_splits_and_draws_the_random_effect_by_hand():
     xs = diamond.get_xy()[:, 0]
     assert (xs.min(), xs.max()) == pytest.approx((d.mean() - half, d.mean() + half), rel=1e-9)
     assert ax.get_xlabel().startswith("concat − separate, AUROC points")
-    assert ax.get_ylabel() == "class split (ID classes / held-out classes)"
+    assert ax.get_ylabel() == "class split: Fashion-MNIST classes ID / held out"
 
 
 def test_plot_by_protocol_series_and_panels():

@@ -130,7 +130,9 @@ def _draw_random_effect(ax, fit: dict, y: float) -> float:
     mu, low, high = (100 * fit[k] for k in ("mean", "low", "high"))
     pi = (100 * fit["pi_low"], 100 * fit["pi_high"])
     ax.plot(pi, [y, y], color="k", lw=1, label="95% prediction interval, a new split")
-    ax.fill([low, mu, high, mu], [y, y - 0.45, y, y + 0.45], color="k", label="mean, 95% CI")
+    ax.fill([low, mu, high, mu], [y, y - 0.45, y, y + 0.45], color="k")
+    # the legend's diamond (a filled polygon's own handle would be a rectangle)
+    ax.plot([], [], "D", color="k", label="average split: mean, 95% CI (diamond's width)")
     return y
 
 
@@ -159,7 +161,15 @@ def split_forest(
     fig, ax = plt.subplots(figsize=(7.5, 2.0 + 0.2 * (len(pairs) + 3 * len(extra))))
     ticks, labels = [], []
     for d in extra:  # at the top, apart from the random splits
-        ax.errorbar(100 * d["mean"], -2, xerr=100 * d["half_width"], fmt="s", color="C3", capsize=3)
+        ax.errorbar(
+            100 * d["mean"],
+            -2,
+            xerr=100 * d["half_width"],
+            fmt="s",
+            color="C3",
+            capsize=3,
+            label="a selected split, not in the average: mean, 95% CI",
+        )
         ticks.append(-2)
         labels.append(
             f"split {d['class_split']}: selected after a first look ({len(d['diffs'])} seeds)"
@@ -184,7 +194,7 @@ def split_forest(
     ax.set_xlim(*xlim)
     ax.set(
         xlabel="concat − separate, AUROC points (> 0: concat detects better)",
-        ylabel="class split (ID classes / held-out classes)",
+        ylabel="class split: Fashion-MNIST classes ID / held out",
     )
     ax.legend(fontsize=7, loc="lower right", bbox_to_anchor=(1, 0.13))
     return finish_figure(
