@@ -88,6 +88,17 @@ def test_some_results_commit_their_scores():
     assert (RESULTS / "primary") in WITH_SCORES
 
 
+def test_every_committed_row_names_only_score_files_that_exist():
+    # a row's "scores" is the path of its per-sample scores; a run committed without them has none
+    missing = [
+        (folder.name, r["scores"])
+        for folder in sorted(p.parent for p in RESULTS.glob("*/results.json"))
+        for r in load(folder.name)
+        if "scores" in r and not (folder / r["scores"]).is_file()
+    ]
+    assert not missing, missing[:3]
+
+
 @pytest.mark.parametrize("folder", WITH_SCORES, ids=[p.name for p in WITH_SCORES])
 def test_every_committed_row_recomputes_from_its_scores_with_scikit_learn(folder):
     rows = load(folder.name)
@@ -122,7 +133,13 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
         and (d > 0).all()
     )
     assert stats.binomtest(20, 20).pvalue < 2e-6  # the exact sign test: 20 of 20 seeds positive
-    assert "+6.96 ± 3.14 on split `a`" in (RESULTS.parents[1] / "docs" / "answer.md").read_text()
+    answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
+    assert "it was +6.96 ± 3.14 (95% CI, 20 seeds)" in answer
+    frozen, concat = (
+        np.mean([100 * v[s, "running", i]["auroc"] for i in seeds]) for s in ("frozen-bn", "concat")
+    )
+    assert f"{frozen:.2f}% against {concat:.2f}% AUROC" == "90.17% against 91.10% AUROC"
+    assert "90.17% against 91.10% AUROC" in answer
     assert diff("concat", "separate", "recalibrated")[:2] == (12.92, 3.52)
     # docs/near-ood.md: what recalibrating on labeled ID data does to each arm (not a neutral probe)
     shift = {
@@ -399,8 +416,10 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     assert (round(slope, 2), round(r, 2)) == (-0.08, -0.28)
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text().replace("−", "-")
     answer = (RESULTS.parents[1] / "docs" / "answer.md").read_text().replace("−", "-")
-    for text in (docs, answer):
-        assert "+2.67 [+1.50, +3.84]" in text and "[-1.80, +7.14]" in text and "28 of 30" in text
+    assert "+2.67 [+1.50, +3.84]" in docs and "[-1.80, +7.14]" in docs and "28 of 30" in docs
+    answer = " ".join(answer.split())  # its lines rewrapped
+    assert "by 2.67 points of **AUROC**" in answer and "95% CI +1.50 to +3.84" in answer
+    assert "28 of 30 splits ahead" in answer and "interval -1.80 to +7.14" in answer
     assert "| 2.10 / 4.01 |" in docs and "| -0.08, p = 0.14 (r = -0.28) |" in docs
     rest = np.delete(means, means.argmax())  # docs: without the largest split
     assert (round(rest.mean(), 2), round(half_width(rest), 2)) == (2.21, 0.73)
