@@ -10,6 +10,7 @@ from mcd_helpers.experiments.mechanism import (
     arm_table,
     estimands,
     mechanism_markdown,
+    plot_mechanism,
 )
 
 DOSE = "unlabeled_ood_fraction=1.0"
@@ -71,3 +72,18 @@ def test_arm_table_counts_the_registered_collapses():
     )
     text = mechanism_markdown(rows())
     assert "### unlabeled OOD images: 100% of the pool's" in text and "| 1 of 5 [" in text
+
+
+def test_the_decomposition_figure_draws_each_arm_under_each_statistics_it_has():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    (ax,) = plot_mechanism(rows()).axes
+    means = [c.lines[0].get_ydata()[0] for c in ax.containers]  # one errorbar per arm and stats
+    assert len(means) == 2 * len(ARMS)
+    assert means[0] == pytest.approx(100 * np.mean(AUROC["separate"]))  # running, first arm
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["running (the network's own)", "recalibrated on the unlabeled pool"]
+    assert ax.get_title() == "unlabeled OOD images: 100% of the pool's"
+    with pytest.raises(ValueError, match="no mechanism rows"):
+        plot_mechanism([])

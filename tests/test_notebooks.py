@@ -54,6 +54,8 @@ def test_first_cell_says_what_it_needs_builds_and_takes_as_the_readme_does(path)
 def test_committed_without_outputs_and_with_a_python_kernelspec(path):
     nb = nbformat.read(path, as_version=4)
     assert nb.metadata.get("kernelspec", {}).get("name") == "python3", path.name
+    raw = json.loads(path.read_text())["cells"]  # as committed (nbformat.read would add ids)
+    assert all("id" in c for c in raw), f"{path.name}: a cell without an id"
     with_out = [
         i
         for i, c in enumerate(nb.cells)

@@ -27,6 +27,13 @@ from .significance import (
 COLLAPSE = 0.75
 ARMS = ("separate", "concat", "interleave", "separate-detached", "concat-detached")
 EVAL_STATS = ("running", "recalibrated", "recalibrated-unlabeled", "recalibrated-mixture")
+# each evaluation statistics in words (tables and figures)
+EVAL_STATS_WORDS = {
+    "running": "running (the network's own)",
+    "recalibrated": "recalibrated on labeled ID images",
+    "recalibrated-unlabeled": "recalibrated on the unlabeled pool",
+    "recalibrated-mixture": "recalibrated on 2 labeled : 1 unlabeled",
+}
 # (name, a, b): the registered estimands, a - b; E1 and E2 are the primary family (Holm)
 ESTIMANDS = (
     ("E1", "interleave", "separate"),
@@ -147,7 +154,7 @@ def arms_markdown(table: Sequence[dict]) -> str:
     statistics, then ID accuracy and the collapses with running statistics."""
     cell = {(e["arm"], e["eval_stats"]): e for e in table}
     found = [s for s in EVAL_STATS if any(k[1] == s for k in cell)]
-    header = ["arm", *[f"AUROC, {s} (mean / median)" for s in found]]
+    header = ["arm", *[f"AUROC, {EVAL_STATS_WORDS[s]} (mean / median)" for s in found]]
     header += ["ID accuracy, running (%)", f"AUROC < {100 * COLLAPSE:.0f}%, running [95% CI]"]
     lines = []
     for arm in (a for a in ARMS if (a, "running") in cell):
@@ -184,3 +191,47 @@ def mechanism_markdown(rows: Sequence[dict]) -> str:
             arms_markdown(arm_table(rows, dose)),
         ]
     return "\n\n".join(parts) + "\n"
+
+
+def plot_mechanism(rows: Sequence[dict]):
+    """The decomposition figure: per dose a panel, per arm of :data:`ARMS` its AUROC (%) under each
+    evaluation statistics of :data:`EVAL_STATS`, mean over seeds with its 95% t interval, and every
+    seed's value as a faint dot. Returns the ``Figure``.
+
+    Raises:
+        ValueError: no mechanism rows (no dose found).
+    """
+    import matplotlib.pyplot as plt
+
+    from ..plots import finish_figure
+    from .significance import mean_ci
+
+    if not (found := doses(rows)):
+        raise ValueError("no mechanism rows: pass the rows of benchmarks/results/mechanism.")
+    fig, axes = plt.subplots(1, len(found), figsize=(6.5 * len(found), 4.2), squeeze=False)
+    width = 0.8 / len(EVAL_STATS)
+    for ax, dose in zip(axes[0], found):
+        for j, stats_ in enumerate(EVAL_STATS):
+            mine = _mcd(rows, dose, stats_)
+            for i, arm in enumerate(ARMS):
+                values = [100 * r["auroc"] for r in mine if r["strategy"] == arm]
+                if len(values) < 2:
+                    continue
+                x = i + (j - (len(EVAL_STATS) - 1) / 2) * width
+                ci = mean_ci(values)
+                ax.plot([x] * len(values), values, ".", color=f"C{j}", alpha=0.25, ms=4)
+                ax.errorbar(
+                    x,
+                    ci["mean"],
+                    yerr=ci["half_width"],
+                    fmt="o",
+                    color=f"C{j}",
+                    capsize=3,
+                    label=EVAL_STATS_WORDS[stats_] if i == 0 else None,
+                )
+        ax.set_xticks(range(len(ARMS)), [a.replace("-", "-\n") for a in ARMS], fontsize=8)
+        ax.set(ylabel="MCD AUROC (%)", title=dose_label(dose))
+    axes[0][0].legend(title="evaluation statistics", fontsize=7, title_fontsize=7)
+    return finish_figure(
+        fig, "Which part of BatchNorm's coupling: each arm under four evaluation statistics"
+    )
