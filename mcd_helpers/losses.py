@@ -87,7 +87,8 @@ def discrepancy_loss(
 ) -> torch.Tensor:
     """The discrepancy loss on unlabeled data: ``max(m - mean_batch[H(p1) - H(p2)], 0)``, in nats.
 
-    Eq. (3) of the paper with the official code's hinge (``solver.py``, ``discrepancy``): the mean
+    The paper's discrepancy loss (Sec. 3; its equation number not checked offline) with the official
+    code's hinge (``solver.py``, ``discrepancy``): the mean
     over the batch first, then the hinge. Minimising it pushes F1 to high and F2 to low entropy
     until the mean gap reaches the margin; beyond that the loss is 0 with zero gradient.
 
