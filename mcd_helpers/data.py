@@ -414,6 +414,53 @@ def pixel_std(id_dataset: str):
     return FMNIST_STD if id_dataset == "fashion_mnist" else CIFAR_STD
 
 
+def normalised_black(id_dataset: str) -> torch.Tensor:
+    """The normalised value of a black pixel of ``id_dataset``'s images, per channel, ``(C,)``:
+    what torchvision's padding, applied before normalising, becomes after it."""
+    channels = 1 if id_dataset == "fashion_mnist" else 3
+    zeros = torch.zeros(1, channels, 1, 1)
+    return (zeros - FMNIST_MEAN) / FMNIST_STD if channels == 1 else normalize_cifar(zeros).flatten()
+
+
+def crop_flip(
+    x: torch.Tensor, generator: torch.Generator, pad: int = 4, fill: torch.Tensor | float = 0.0
+) -> torch.Tensor:
+    """Each image of ``x`` padded by ``pad`` pixels of ``fill`` on every side, cropped back to its
+    size at a random offset, and flipped left-right with probability 1/2: the CIFAR augmentation of
+    the unofficial reproduction (``RandomHorizontalFlip()``, ``RandomCrop(32, padding=4)``; its
+    ``main.py`` lines 37-42), on images already normalised (``fill``: :func:`normalised_black`, the
+    value torchvision's padding has after normalisation, one per channel or one number). The random
+    numbers come from ``generator`` (a CPU generator), so a batch's augmentation can be drawn again.
+
+    Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
+
+    Raises:
+        ValueError: ``x`` not 4-d, or ``pad`` < 0.
+    """
+    if x.dim() != 4 or pad < 0:
+        raise ValueError(
+            f"crop_flip takes images (N, C, H, W) and pad >= 0, got shape {tuple(x.shape)} and "
+            f"pad={pad}."
+        )
+    n, c, h, w = x.shape
+    fill = torch.as_tensor(fill, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
+    padded = fill.expand(c, h + 2 * pad, w + 2 * pad).repeat(n, 1, 1, 1)
+    padded[:, :, pad : pad + h, pad : pad + w] = x
+    top, left = (torch.randint(2 * pad + 1, (n,), generator=generator) for _ in range(2))
+    rows = (top[:, None] + torch.arange(h)).to(x.device)  # (n, h)
+    cols = (left[:, None] + torch.arange(w)).to(x.device)  # (n, w)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch, channel = torch.arange(n, device=x.device), torch.arange(c, device=x.device)
+    index = (
+        batch[:, None, None, None],
+        channel[None, :, None, None],
+        rows[:, None, :, None],
+        cols[:, None, None, :],
+    )
+    return padded[index]
+
+
 def infinite_loader(loader) -> Iterator:
     """Yield batches forever, iterating ``loader`` again each time it runs out.
 

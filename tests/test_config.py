@@ -241,11 +241,14 @@ def test_paper_presets(name):
         cfg.pretrain_momentum,
     ) == (300, 0.1, (150, 225), 0.9)
     assert cfg.device == "cuda" and (cfg.train_subset, cfg.test_subset) == (0, 0)
+    # the declared pre-training recipe: crops and flips (the unofficial reproduction's) at batch 128
+    assert (cfg.pretrain_crop_flip, cfg.pretrain_batch_size) == (True, 128)
+    assert not get_preset("quick").pretrain_crop_flip  # the CPU presets keep their networks
 
 
 @pytest.mark.parametrize(
     "name, base",
-    [("quick-step-b", "quick"), ("unofficial-cifar10-densenet", "paper-cifar10-densenet")],
+    [("quick-step-b", "quick"), ("unofficial-schedule-cifar10-densenet", "paper-cifar10-densenet")],
 )
 def test_step_b_presets_fine_tune_as_the_blog_on_the_same_pretrained_network(name, base):
     cfg = get_preset(name)

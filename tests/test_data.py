@@ -732,3 +732,43 @@ def test_infinite_loader_refuses_an_empty_loader():
         match="drop_last=True.*batch_size",
     ):
         next(infinite_loader(empty))
+
+
+def test_crop_flip_takes_a_window_of_the_padded_image_and_flips_half():
+    from mcd_helpers.data import crop_flip
+
+    x = torch.arange(180, dtype=torch.float64).view(2, 3, 5, 6)  # distinct pixel values
+    x = x.repeat(200, 1, 1, 1)  # 400 images, so that every offset and both flips occur
+    out = crop_flip(
+        x, torch.Generator().manual_seed(0), pad=2, fill=torch.tensor([-1.0, -2.0, -3.0])
+    )
+    padded = torch.nn.functional.pad(x, (2, 2, 2, 2), value=0.0)
+    for ch, value in enumerate((-1.0, -2.0, -3.0)):  # the fill, channel by channel
+        border = torch.ones(5 + 4, 6 + 4, dtype=torch.bool)
+        border[2:-2, 2:-2] = False
+        padded[:, ch][:, border] = value
+    found, flipped = set(), 0
+
+    def window(src, top, left, flip):
+        w = src[:, top : top + 5, left : left + 6]
+        return w.flip(-1) if flip else w
+
+    for img, src in zip(out, padded):  # brute force: the one window (and flip) it is
+        windows = [
+            (top, left, flip)
+            for top in range(5)
+            for left in range(5)
+            for flip in (False, True)
+            if torch.equal(img, window(src, top, left, flip))
+        ]
+        assert windows, "an output that is no window of the padded image"
+        found.add(windows[0][:2])
+        flipped += windows[0][2]
+    assert found == {(top, left) for top in range(5) for left in range(5)}
+    assert 150 < flipped < 250
+    again = crop_flip(
+        x, torch.Generator().manual_seed(0), pad=2, fill=torch.tensor([-1.0, -2.0, -3.0])
+    )
+    assert torch.equal(out, again)  # the generator decides everything
+    with pytest.raises(ValueError, match=r"pad >= 0.*\(3, 5, 6\)"):
+        crop_flip(x[0], torch.Generator(), pad=2)

@@ -41,6 +41,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..data import crop_flip, normalised_black
 from ..errors import ConfigError, TrainingInterrupted
 from ..losses import discrepancy_score, supervised_loss
 from ..metrics import ood_metrics
@@ -144,9 +145,11 @@ def _stop_signals(enabled: bool):
             signal.signal(s, h)
 
 
-def _take(t: torch.Tensor, idx: torch.Tensor, cfg) -> torch.Tensor:
-    """Rows ``idx`` of ``t``, on ``cfg.device`` (NHWC when ``cfg.channels_last``)."""
-    batch = t[idx].to(cfg.device, non_blocking=True)
+def _take(t: torch.Tensor, idx: torch.Tensor, cfg, augment: Callable | None = None) -> torch.Tensor:
+    """Rows ``idx`` of ``t``, ``augment``-ed when given, on ``cfg.device`` (NHWC when
+    ``cfg.channels_last``)."""
+    batch = t[idx] if augment is None else augment(t[idx])
+    batch = batch.to(cfg.device, non_blocking=True)
     if cfg.channels_last and batch.dim() == 4:
         return batch.contiguous(memory_format=torch.channels_last)
     return batch
@@ -225,7 +228,7 @@ class _Stage:
         cfg = self.cfg
         x_sup, y_sup, x_unsup = self.data
         idx = self.sup.batch(epoch, step)
-        xs, ys = _take(x_sup, idx, cfg), y_sup[idx].to(cfg.device)
+        xs, ys = _take(x_sup, idx, cfg, self.augment(epoch, step)), y_sup[idx].to(cfg.device)
         if self.fine:  # ---- one MCD iteration: Step A, then Step B ----
             xu = _take(x_unsup, self.unsup.batch_at(epoch * self.steps + step), cfg)
             losses = mcd_step(
@@ -248,6 +251,17 @@ class _Stage:
             losses = {"ce": loss.detach()}
         self.names = tuple(losses)  # ce, dis, gap, step_a (official schedule); ce (pre-training)
         self.pending.append((epoch, step, torch.stack(list(losses.values()))))
+
+    def augment(self, epoch: int, step: int) -> Callable | None:
+        """Pre-training's crop and flip (``cfg.pretrain_crop_flip``; never in fine-tuning, as the
+        official code), its random numbers a pure function of (seed, epoch, step) like the batch
+        order, so a resumed run draws the same."""
+        if self.fine or not self.cfg.pretrain_crop_flip:
+            return None
+        state = np.random.SeedSequence([self.cfg.seed, 2, epoch, step]).generate_state(1)[0]
+        g = torch.Generator().manual_seed(int(state))
+        fill = normalised_black(self.cfg.id_dataset)
+        return lambda x: crop_flip(x, g, pad=4, fill=fill.to(x.device))
 
     # ---- save ----
     def read_back(self) -> None:
