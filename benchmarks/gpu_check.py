@@ -1,24 +1,30 @@
-"""Check a GPU machine end to end before the paper's runs: one command, a verdict per check.
+"""Check a GPU machine end to end before the paper's runs: one command, a verdict per check, one
+JSON report.
 
-    python benchmarks/gpu_check.py --out build/gpu_check        # a few minutes on one GPU
-    python benchmarks/gpu_check.py --dry-run                    # print what it would run
+    python benchmarks/gpu_check.py --out build/gpu_check        # on the GPU machine: minutes
+    python benchmarks/gpu_check.py --device cpu --tiny --out build/gpu_check   # the test's run
 
-1. **The machine**: torch and the CUDA version its wheel was built for, the driver
-   (``nvidia-smi``), each GPU and its memory, cuDNN, NCCL, and whether float32 convolutions and
-   matrix products run in TF32.
-2. **One GPU, end to end**: ``python -m mcd_helpers reproduce --preset quick --device cuda``
-   (Fashion-MNIST and the offline OOD sets: no download), checked against the demo's bounds
-   (every MCD row at AUROC >= 99% and FPR95 <= 5%).
-3. **Several GPUs** (two or more visible): the same under ``torchrun --standalone
-   --nproc_per_node=2``, which runs DistributedDataParallel over NCCL. Batch sizes are global: each
-   of W processes takes 1/W of every batch, so BatchNorm normalises over 1/W of it (the paper's 128
-   on 16 GPUs is 8 images per GPU) unless ``--sync-bn`` is on (docs/gpu.md).
-4. **The paper's data**: whether CIFAR-10/100 and ODIN's OOD folders are on disk for the
-   ``paper-*`` presets, and where to put them.
+1. **The machine**: torch and the CUDA version its wheel was built for, cuDNN, NCCL, the driver
+   (``nvidia-smi``), each GPU and its memory, and whether float32 convolutions and matrix
+   products run in TF32.
+2. **One device, end to end**: ``python -m mcd_helpers reproduce --preset quick --device cuda``
+   (Fashion-MNIST and the offline OOD sets: no download), checked against the demo's bounds (every
+   MCD row at AUROC >= 99% and FPR95 <= 5%).
+3. **Two GPUs** (when two or more are visible): the same under ``torchrun --standalone
+   --nproc_per_node=2 ... --sync-bn``, DistributedDataParallel over NCCL with SyncBatchNorm, its
+   rows compared with the one-GPU run's. Batch sizes are global: each of W processes takes 1/W of
+   every batch (docs/gpu.md).
+4. **The paper presets' hours**: one pre-training epoch and one fine-tuning epoch of each
+   ``paper-*`` network timed on random CIFAR-shaped images (the time of a step does not depend on
+   the pixels), projected to the preset's epochs and OOD sets (evaluation left out).
+5. **The paper's data**: whether CIFAR-10/100 and ODIN's OOD folders are on disk.
 
-For the throughput of the paper's network, and from it the hours of a paper preset, run
-``benchmarks/cuda_check.py`` next (docs/gpu.md). Exit code 0 when every check passed, 1 when one
-failed, 2 when no CUDA device is visible (nothing to check).
+``--tiny`` shrinks every run to seconds (the numbers then mean nothing; the quality bounds are not
+checked); ``--device cpu`` runs the checks a CPU can, each skipped one saying why. The report,
+``OUT/gpu_check.json``, holds ``machine``, ``checks`` (name, status: passed / failed / skipped,
+detail) and ``hours`` (per paper preset: seconds per pre-training and fine-tuning step, steps, the
+projected hours). Exit code 0 when no check failed, 1 when one did, 2 when ``--device cuda`` finds
+no CUDA device.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,13 +43,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcd_helpers.data import data_present  # noqa: E402
 from mcd_helpers.experiments.config import get_preset  # noqa: E402
+from mcd_helpers.losses import supervised_loss  # noqa: E402
+from mcd_helpers.models import build_model  # noqa: E402
+from mcd_helpers.strategies import mcd_step  # noqa: E402
 
 # the demo's bounds (README, quick start): every MCD row of the quick preset
 MIN_AUROC, MAX_FPR95 = 0.99, 0.05
+# --tiny: reproduce in seconds (the test suite's toy sizes)
+TINY_FLAGS = [
+    *("--train-subset", "600", "--test-subset", "400", "--n-val", "40", "--ood-size", "200"),
+    *("--pretrain-epochs", "1", "--finetune-epochs", "1", "--steps-per-epoch", "2"),
+    *("--batch-size-sup", "32", "--batch-size-unsup", "32", "--ood-sets", "gaussian"),
+]
+PAPER_PRESETS = ("paper-cifar10-densenet", "paper-cifar10-wrn")
+CIFAR_TRAIN = 50_000  # images a CIFAR epoch passes over
 
 
 def machine() -> dict:
-    """What the GPU run depends on, as printable values."""
+    """What a GPU run depends on, as printable values."""
     info = {
         "torch": torch.__version__,
         "CUDA build of this torch": torch.version.cuda,
@@ -65,69 +83,160 @@ def machine() -> dict:
     return info
 
 
-def reproduce_command(out: Path, processes: int) -> list[str]:
-    """The ``reproduce`` run of check 2 (one process) or 3 (``torchrun``, ``processes`` GPUs)."""
-    args = ["-m", "mcd_helpers", "reproduce", "--preset", "quick", "--device", "cuda"]
-    args += ["--out", str(out)]
+def reproduce_command(out: Path, processes: int, device: str, tiny: bool) -> list[str]:
+    """The ``reproduce`` run of check 2 (one process) or 3 (``torchrun``, SyncBatchNorm)."""
+    args = ["-m", "mcd_helpers", "reproduce", "--preset", "quick", "--device", device]
+    args += ["--out", str(out), *(TINY_FLAGS if tiny else [])]
     if processes == 1:
         return [sys.executable, *args]
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-    return [sys.executable, *launch, *args]
+    return [sys.executable, *launch, *args, "--sync-bn"]
 
 
-def within_bounds(out: Path) -> tuple[bool, str]:
-    """Whether ``out/results.json``'s MCD rows meet the demo's bounds, and the worst of them."""
-    rows = [r for r in json.loads((out / "results.json").read_text()) if r["method"] == "mcd"]
-    auroc, fpr95 = min(r["auroc"] for r in rows), max(r["fpr95"] for r in rows)
-    said = f"worst MCD AUROC {100 * auroc:.2f}%, worst FPR95 {100 * fpr95:.2f}%"
-    return auroc >= MIN_AUROC and fpr95 <= MAX_FPR95, said
+def mcd_rows(out: Path) -> dict:
+    """``(ood_dataset, strategy) -> row`` of ``out/results.json``'s MCD rows."""
+    rows = json.loads((out / "results.json").read_text())
+    return {(r["ood_dataset"], r["strategy"]): r for r in rows if r["method"] == "mcd"}
 
 
-def run_check(name: str, command: list[str], out: Path, dry_run: bool) -> bool:
-    """Run one ``reproduce`` check and say whether it passed."""
+def run_reproduce(name: str, command: list[str], out: Path, bounds: bool) -> dict:
+    """Run one ``reproduce`` check; its status and what it showed."""
     print(f"\n{name}: {' '.join(command)}", flush=True)
-    if dry_run:
-        return True
     if subprocess.run(command).returncode != 0:
-        print(f"{name}: FAILED (the command exited with an error; its output is above)")
-        return False
-    ok, said = within_bounds(out)
-    print(f"{name}: {'passed' if ok else 'FAILED, outside the demo bounds'} ({said})")
-    return ok
+        return {"name": name, "status": "failed", "detail": "the command exited with an error"}
+    rows = mcd_rows(out)
+    auroc = min(r["auroc"] for r in rows.values())
+    fpr95 = max(r["fpr95"] for r in rows.values())
+    detail = f"worst MCD AUROC {100 * auroc:.2f}%, worst FPR95 {100 * fpr95:.2f}%"
+    ok = not bounds or (auroc >= MIN_AUROC and fpr95 <= MAX_FPR95)
+    return {"name": name, "status": "passed" if ok else "failed", "detail": detail}
+
+
+def step_seconds(preset: str, device: str, steps: int, batch_scale: float) -> dict:
+    """Seconds per pre-training step and per fine-tuning iteration (official schedule, the preset's
+    strategy) of ``preset``'s network on random CIFAR-shaped images, the mean of ``steps`` steps
+    after one warm-up step; batches scaled by ``batch_scale`` (``--tiny``)."""
+    cfg = get_preset(preset)
+    classes = 100 if cfg.id_dataset == "cifar100" else 10
+    model = build_model(cfg.model, 3, classes).to(device).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    sizes = [max(2, round(b * batch_scale)) for b in (cfg.pretrain_batch_size, cfg.batch_size_sup)]
+
+    def images(n: int) -> torch.Tensor:
+        return torch.randn(n, 3, 32, 32, device=device)
+
+    def labels(n: int) -> torch.Tensor:
+        return torch.randint(classes, (n,), device=device)
+
+    def pretrain_step():
+        loss = supervised_loss(*model(images(sizes[0])), labels(sizes[0]))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    def finetune_step():
+        x, y, xu = images(sizes[1]), labels(sizes[1]), images(sizes[1])
+        mcd_step(model, opt, x, y, xu, cfg.strategies[0], cfg.margin, cfg.schedule)
+
+    timed = {}
+    for name, step in (("pretrain", pretrain_step), ("finetune", finetune_step)):
+        step()  # warm-up: cuDNN's algorithm search, the allocator
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        timed[name] = (time.perf_counter() - t0) / steps
+    return timed
+
+
+def projected_hours(preset: str, seconds: dict) -> dict:
+    """The preset's training time from its per-step seconds: every pre-training epoch, and the
+    fine-tuning epochs of every OOD set (one pass over the labeled set each; evaluation left
+    out)."""
+    cfg = get_preset(preset)
+    pre_steps = cfg.pretrain_epochs * (CIFAR_TRAIN // cfg.pretrain_batch_size)
+    ft_steps = len(cfg.ood_sets) * cfg.finetune_epochs * (CIFAR_TRAIN // cfg.batch_size_sup)
+    total = pre_steps * seconds["pretrain"] + ft_steps * seconds["finetune"]
+    return {
+        "seconds_per_step": {k: round(v, 4) for k, v in seconds.items()},
+        "steps": {"pretrain": pre_steps, "finetune": ft_steps},
+        "hours": round(total / 3600, 2),
+    }
+
+
+def data_check() -> dict:
+    """Check 5: the paper's data on disk, or where it will come from."""
+    missing = [
+        id_set
+        for id_set in ("cifar10", "cifar100")
+        if not data_present(id_set, get_preset(f"paper-{id_set}-densenet").ood_sets)
+    ]
+    detail = (
+        "every data set present"
+        if not missing
+        else f"{', '.join(missing)} or ODIN's folders missing: a paper preset downloads them on "
+        "first use into $MCD_DATA_DIR (mcd_helpers/data.py names each archive and its MD5)"
+    )
+    return {"name": "paper data", "status": "passed", "detail": detail}
+
+
+def run_checks(args) -> tuple[list[dict], dict]:
+    """Checks 2-5 as the flags say; each skipped one says why."""
+    checks = []
+    one = reproduce_command(args.out / "one", 1, args.device, args.tiny)
+    checks.append(run_reproduce("one device", one, args.out / "one", not args.tiny))
+    if args.device.startswith("cuda") and torch.cuda.device_count() >= 2:
+        two = reproduce_command(args.out / "two", 2, args.device, args.tiny)
+        checks.append(run_reproduce("two GPUs (NCCL, SyncBatchNorm)", two, args.out / "two", False))
+        if (
+            checks[-1]["status"] == "passed"
+            and mcd_rows(args.out / "two").keys() != mcd_rows(args.out / "one").keys()
+        ):
+            checks[-1] |= {"status": "failed", "detail": "other MCD rows than the one-GPU run's"}
+    else:
+        why = "needs two or more CUDA devices; this machine has " + str(torch.cuda.device_count())
+        checks.append(
+            {"name": "two GPUs (NCCL, SyncBatchNorm)", "status": "skipped", "detail": why}
+        )
+    hours = {}
+    for preset in PAPER_PRESETS:
+        seconds = step_seconds(preset, args.device, args.steps, 1 / 16 if args.tiny else 1.0)
+        hours[preset] = projected_hours(preset, seconds)
+    checks.append({"name": "paper presets timed", "status": "passed", "detail": str(hours)})
+    checks.append(data_check())
+    return checks, hours
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("build/gpu_check"), help="output folder")
-    p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    p.add_argument("--device", default="cuda", help="cuda (default), cuda:1, or cpu")
+    p.add_argument("--tiny", action="store_true", help="toy sizes: seconds, numbers meaningless")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per paper network")
     args = p.parse_args(argv)
-    for key, value in machine().items():
+    info = machine()
+    for key, value in info.items():
         print(f"{key}: {value}")
-    if not torch.cuda.is_available() and not args.dry_run:
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(
             "\nno CUDA device is visible (torch.cuda.is_available() is False): run this on the "
-            "GPU machine, in the environment `make` sets up there (docs/gpu.md)."
+            "GPU machine, in the environment `make` sets up there (docs/gpu.md), or pass "
+            "--device cpu for the checks a CPU can run."
         )
         return 2
-    gpus = torch.cuda.device_count() if not args.dry_run else 2
-    results = [
-        run_check("one GPU", reproduce_command(args.out / "one", 1), args.out / "one", args.dry_run)
-    ]
-    if gpus >= 2:
-        two = reproduce_command(args.out / "two", 2)
-        results.append(run_check("two GPUs (NCCL)", two, args.out / "two", args.dry_run))
-    for id_set in ("cifar10", "cifar100"):
-        preset = get_preset(f"paper-{id_set}-densenet")
-        there = data_present(id_set, preset.ood_sets)
-        print(f"\npaper data, {id_set} + ODIN's folders: {'present' if there else 'missing'}")
-        if not there:
-            print(
-                "  a paper preset downloads them on first use into the data folder "
-                "($MCD_DATA_DIR; mcd_helpers/data.py names each archive and its MD5); "
-                "or copy them there first"
-            )
-    print("\nevery check passed" if all(results) else "\nat least one check FAILED")
-    return 0 if all(results) else 1
+    args.out.mkdir(parents=True, exist_ok=True)
+    checks, hours = run_checks(args)
+    report = {"machine": info, "checks": checks, "hours": hours}
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1) + "\n")
+    print()
+    for c in checks:
+        print(f"{c['name']}: {c['status']} ({c['detail']})")
+    failed = any(c["status"] == "failed" for c in checks)
+    print(f"report: {args.out / 'gpu_check.json'}; next: docs/gpu.md, section 3")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
