@@ -79,7 +79,8 @@ def machine() -> dict:
     if smi := shutil.which("nvidia-smi"):
         query = ["--query-gpu=driver_version", "--format=csv,noheader"]
         done = subprocess.run([smi, *query], capture_output=True, text=True)
-        info["driver"] = done.stdout.strip().splitlines()[0] if done.returncode == 0 else None
+        lines = done.stdout.strip().splitlines() if done.returncode == 0 else []
+        info["driver"] = lines[0] if lines else None
     return info
 
 
@@ -104,7 +105,8 @@ def run_reproduce(name: str, command: list[str], out: Path, bounds: bool) -> dic
     print(f"\n{name}: {' '.join(command)}", flush=True)
     if subprocess.run(command).returncode != 0:
         return {"name": name, "status": "failed", "detail": "the command exited with an error"}
-    rows = mcd_rows(out)
+    if not (rows := mcd_rows(out)):
+        return {"name": name, "status": "failed", "detail": "no MCD row in results.json"}
     auroc = min(r["auroc"] for r in rows.values())
     fpr95 = max(r["fpr95"] for r in rows.values())
     detail = f"worst MCD AUROC {100 * auroc:.2f}%, worst FPR95 {100 * fpr95:.2f}%"
@@ -154,11 +156,12 @@ def step_seconds(preset: str, device: str, steps: int, batch_scale: float) -> di
 
 def projected_hours(preset: str, seconds: dict) -> dict:
     """The preset's training time from its per-step seconds: every pre-training epoch, and the
-    fine-tuning epochs of every OOD set (one pass over the labeled set each; evaluation left
-    out)."""
+    fine-tuning epochs of every OOD set and strategy (one pass over the labeled set each;
+    evaluation left out)."""
     cfg = get_preset(preset)
     pre_steps = cfg.pretrain_epochs * (CIFAR_TRAIN // cfg.pretrain_batch_size)
-    ft_steps = len(cfg.ood_sets) * cfg.finetune_epochs * (CIFAR_TRAIN // cfg.batch_size_sup)
+    runs = len(cfg.ood_sets) * len(cfg.strategies)  # one fine-tuning per OOD set and strategy
+    ft_steps = runs * cfg.finetune_epochs * (CIFAR_TRAIN // cfg.batch_size_sup)
     total = pre_steps * seconds["pretrain"] + ft_steps * seconds["finetune"]
     return {
         "seconds_per_step": {k: round(v, 4) for k, v in seconds.items()},

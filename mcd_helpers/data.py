@@ -417,13 +417,17 @@ def pixel_std(id_dataset: str):
 def normalised_black(id_dataset: str) -> torch.Tensor:
     """The normalised value of a black pixel of ``id_dataset``'s images, per channel, ``(C,)``:
     what torchvision's padding, applied before normalising, becomes after it."""
-    channels = 1 if id_dataset == "fashion_mnist" else 3
-    zeros = torch.zeros(1, channels, 1, 1)
-    return (zeros - FMNIST_MEAN) / FMNIST_STD if channels == 1 else normalize_cifar(zeros).flatten()
+    if id_dataset == "fashion_mnist":
+        return torch.tensor([(0.0 - FMNIST_MEAN) / FMNIST_STD])
+    return normalize_cifar(torch.zeros(1, 3, 1, 1)).flatten()
 
 
 def crop_flip(
-    x: torch.Tensor, generator: torch.Generator, pad: int = 4, fill: torch.Tensor | float = 0.0
+    x: torch.Tensor,
+    generator: torch.Generator,
+    pad: int = 4,
+    fill: torch.Tensor | float = 0.0,
+    share: tuple[int, int] = (0, 1),
 ) -> torch.Tensor:
     """Each image of ``x`` padded by ``pad`` pixels of ``fill`` on every side, cropped back to its
     size at a random offset, and flipped left-right with probability 1/2: the CIFAR augmentation of
@@ -431,6 +435,9 @@ def crop_flip(
     ``main.py`` lines 37-42), on images already normalised (``fill``: :func:`normalised_black`, the
     value torchvision's padding has after normalisation, one per channel or one number). The random
     numbers come from ``generator`` (a CPU generator), so a batch's augmentation can be drawn again.
+    ``share=(rank, world)``: ``x`` is rows ``[rank::world]`` of a global batch of ``N * world``
+    images (under torchrun); the random numbers are drawn for the global batch and this share's
+    taken, so that every image gets what it would get in one process.
 
     Shapes: ``(N, C, H, W)`` -> ``(N, C, H, W)``.
 
@@ -446,10 +453,13 @@ def crop_flip(
     fill = torch.as_tensor(fill, dtype=x.dtype, device=x.device).reshape(-1, 1, 1)
     padded = fill.expand(c, h + 2 * pad, w + 2 * pad).repeat(n, 1, 1, 1)
     padded[:, :, pad : pad + h, pad : pad + w] = x
-    top, left = (torch.randint(2 * pad + 1, (n,), generator=generator) for _ in range(2))
+    rank, world = share
+    top, left = (torch.randint(2 * pad + 1, (n * world,), generator=generator) for _ in range(2))
+    flip = torch.rand(n * world, generator=generator) < 0.5
+    top, left, flip = (t[rank::world] for t in (top, left, flip))  # this share of the global batch
     rows = (top[:, None] + torch.arange(h)).to(x.device)  # (n, h)
     cols = (left[:, None] + torch.arange(w)).to(x.device)  # (n, w)
-    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+    flip = flip.to(x.device)
     cols = torch.where(flip[:, None], cols.flip(1), cols)
     batch, channel = torch.arange(n, device=x.device), torch.arange(c, device=x.device)
     index = (

@@ -360,3 +360,10 @@ def test_errors_pickle_with_their_fields():  # sent from rank 0 to the other ran
         "stopped",
         130,
     )
+
+
+def test_sync_bn_is_refused_with_the_detached_statistics_strategies():
+    # SyncBatchNorm would replace the detached layers by ordinary ones, silently
+    with pytest.raises(ConfigError, match="--sync-bn would turn the .-detached") as err:
+        MCDConfig(strategies=("separate-detached",), sync_bn=True, device="cuda")
+    assert err.value.field == "sync_bn"

@@ -770,5 +770,10 @@ def test_crop_flip_takes_a_window_of_the_padded_image_and_flips_half():
         x, torch.Generator().manual_seed(0), pad=2, fill=torch.tensor([-1.0, -2.0, -3.0])
     )
     assert torch.equal(out, again)  # the generator decides everything
+    # under torchrun: rank r's rows [r::2] get what they get in the global batch
+    whole = crop_flip(x[:8], torch.Generator().manual_seed(5), pad=2)
+    for rank in (0, 1):
+        part = crop_flip(x[rank:8:2], torch.Generator().manual_seed(5), pad=2, share=(rank, 2))
+        assert torch.equal(part, whole[rank::2])
     with pytest.raises(ValueError, match=r"pad >= 0.*\(3, 5, 6\)"):
         crop_flip(x[0], torch.Generator(), pad=2)

@@ -47,10 +47,12 @@ def test_a_tiny_cpu_run_writes_the_report_with_each_skip_explained(tmp_path):
     assert status["two GPUs (NCCL, SyncBatchNorm)"] == "skipped"
     two = next(c for c in report["checks"] if c["name"].startswith("two GPUs"))
     assert "needs two or more CUDA devices" in two["detail"]
-    # the projection by hand: 300 epochs of 50,000 // 128 steps; each OOD set 10 epochs of the same
+    # the projection by hand: 300 epochs of 50,000 // 128 steps; 10 such epochs per OOD set and
+    # strategy
     cfg = get_preset("paper-cifar10-densenet")
     dense = report["hours"]["paper-cifar10-densenet"]
-    assert dense["steps"] == {"pretrain": 300 * 390, "finetune": len(cfg.ood_sets) * 10 * 390}
+    runs = len(cfg.ood_sets) * len(cfg.strategies)
+    assert dense["steps"] == {"pretrain": 300 * 390, "finetune": runs * 10 * 390}
     s = dense["seconds_per_step"]
-    want = (300 * 390 * s["pretrain"] + len(cfg.ood_sets) * 10 * 390 * s["finetune"]) / 3600
+    want = (300 * 390 * s["pretrain"] + runs * 10 * 390 * s["finetune"]) / 3600
     assert dense["hours"] == pytest.approx(want, abs=0.01) and dense["hours"] > 0

@@ -632,14 +632,14 @@ def test_three_sgd_optimizers_as_the_official_solver_equal_trains_one():
 def test_crop_flip_augments_pre_training_batches_only(monkeypatch, strategy, calls):
     seen, real = [], train_mod.crop_flip
 
-    def spy(x, generator, pad, fill):
-        seen.append((tuple(x.shape), pad, float(fill.flatten()[0])))
-        return real(x, generator, pad, fill)
+    def spy(x, generator, pad, fill, share):
+        seen.append((tuple(x.shape), pad, float(fill.flatten()[0]), share))
+        return real(x, generator, pad, fill, share)
 
     monkeypatch.setattr(train_mod, "crop_flip", spy)
     cfg = _cfg(pretrain_crop_flip=True, finetune_epochs=1, steps_per_epoch=2)
     train(_model(), _split(), cfg, strategy, progress=False)
     # 2 epochs x 48 // 16 pre-training steps, each batch (16, 1, 8, 8) padded by 4 with the
-    # normalised black of Fashion-MNIST; fine-tuning batches untouched
+    # normalised black of Fashion-MNIST, one process's share; fine-tuning batches untouched
     assert len(seen) == calls
-    assert all(s == ((16, 1, 8, 8), 4, pytest.approx(-0.2860 / 0.3530)) for s in seen)
+    assert all(s == ((16, 1, 8, 8), 4, pytest.approx(-0.2860 / 0.3530), (0, 1)) for s in seen)

@@ -255,14 +255,21 @@ def test_recalibration_images_by_source():
     from mcd_helpers.splits import Split
 
     x_sup = torch.arange(30.0).view(30, 1, 1, 1)  # labeled images 0..29
-    x_unsup = 100 + torch.arange(12.0).view(12, 1, 1, 1)  # unlabeled images 100..111
+    x_unsup = 100 + torch.arange(12.0).view(12, 1, 1, 1)  # unlabeled images 100..111, ID first
     empty = torch.empty(0)
     split = Split(x_sup, empty, x_unsup, *[empty] * 6)
     assert torch.equal(stages.recalibration_images(split, "labeled"), x_sup)
-    assert torch.equal(stages.recalibration_images(split, "unlabeled"), x_unsup)
+    # the pool is stored ID first: shuffled, so that a batch holds ID and OOD images alike
+    pool = stages.recalibration_images(split, "unlabeled", seed=1).flatten()
+    assert sorted(pool.tolist()) == list(range(100, 112)) and pool.tolist() != sorted(pool.tolist())
     mixed = stages.recalibration_images(split, "mixture", seed=1).flatten()
     # 2 labeled : 1 unlabeled, as Step A + Step B feed BatchNorm: all 12 unlabeled, 24 labeled
     assert sorted(mixed.tolist()) == list(range(24)) + list(range(100, 112))
     assert (mixed[:12] >= 100).sum() not in (0, 12)  # shuffled: a batch holds both
+    # a pool larger than its share: the share is drawn from the whole pool, not its ID head
+    small = Split(x_sup[:10], empty, x_unsup, *[empty] * 6)
+    mixture = stages.recalibration_images(small, "mixture", 1).flatten().tolist()
+    share = sorted(v for v in mixture if v >= 100)
+    assert len(share) == 5 and share != list(range(100, 105))
     with pytest.raises(ValueError, match="labeled, unlabeled, mixture.*'test'"):
         stages.recalibration_images(split, "test")

@@ -244,6 +244,13 @@ def _combinations(cfg: MCDConfig) -> list[tuple[str, bool, str]]:
          f"{cfg.batch_size_unsup}"),
         ("norm", cfg.model == "small_cnn" or cfg.norm == "batch",
          f"norm={cfg.norm!r} is for small_cnn only"),
+        ("sync_bn",
+         not cfg.sync_bn
+         or not any(STRATEGIES[s].batchnorm == "detached-stats" for s in cfg.strategies
+                    if s in STRATEGIES),
+         "--sync-bn would turn the *-detached strategies' BatchNorm back into one with a gradient "
+         "through its statistics (SyncBatchNorm replaces every BatchNorm layer); run them without "
+         "--sync-bn"),
         ("sync_bn", not cfg.sync_bn or cfg.device.startswith("cuda"),
          "--sync-bn needs GPUs (in torch 2.14.1 SyncBatchNorm has no CPU kernel), got device "
          f"{cfg.device!r}"),

@@ -50,7 +50,8 @@ from ..strategies import get_strategy, mcd_step, train_mode
 from . import ddp
 from .files import load_state, save_state
 
-PRETRAIN, LABELED, UNLABELED = 0, 1, 2  # the streams of a run's data order
+# the streams of a run's random numbers: data orders, and pre-training's augmentation
+PRETRAIN, LABELED, UNLABELED, AUGMENTATION = 0, 1, 2, 3
 
 
 class Batches:
@@ -255,13 +256,14 @@ class _Stage:
     def augment(self, epoch: int, step: int) -> Callable | None:
         """Pre-training's crop and flip (``cfg.pretrain_crop_flip``; never in fine-tuning, as the
         official code), its random numbers a pure function of (seed, epoch, step) like the batch
-        order, so a resumed run draws the same."""
+        order, so a resumed run draws the same, and drawn for the global batch, so that under
+        torchrun every image gets what it gets in one process."""
         if self.fine or not self.cfg.pretrain_crop_flip:
             return None
-        state = np.random.SeedSequence([self.cfg.seed, 2, epoch, step]).generate_state(1)[0]
-        g = torch.Generator().manual_seed(int(state))
-        fill = normalised_black(self.cfg.id_dataset)
-        return lambda x: crop_flip(x, g, pad=4, fill=fill.to(x.device))
+        sequence = np.random.SeedSequence([self.cfg.seed, AUGMENTATION, epoch, step])
+        g = torch.Generator().manual_seed(int(sequence.generate_state(1)[0]))
+        fill, share = normalised_black(self.cfg.id_dataset), ddp.world()
+        return lambda x: crop_flip(x, g, pad=4, fill=fill.to(x.device), share=share)
 
     # ---- save ----
     def read_back(self) -> None:

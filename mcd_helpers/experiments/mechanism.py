@@ -66,20 +66,29 @@ def estimands(rows: Sequence[dict], dose: str, eval_stats: str = "running") -> l
     (:func:`~mcd_helpers.experiments.significance.hodges_lehmann`).
 
     Raises:
-        ValueError: an arm missing at that dose (``endpoint_tests``).
+        ValueError: an arm missing at that dose (``endpoint_tests``), or rows of more than one
+        task, class split, protocol or selection.
     """
-    tests = endpoint_tests(
+    found = endpoint_tests(
         _mcd(rows, dose, eval_stats), [(a, b, "auroc", eval_stats) for _, a, b in ESTIMANDS]
     )
-    holm = multipletests([t["p_value"] for t in tests[:2]], method="holm")[1]
+    if len(found) != len(ESTIMANDS):
+        raise ValueError(
+            f"the mechanism rows at {dose} hold {len(found)} groups for {len(ESTIMANDS)} "
+            "estimands; pass the rows of one task, class split, protocol and selection."
+        )
+    tests = {(t["a"], t["b"]): t for t in found}
+    family = [tests[a, b] for _, a, b in ESTIMANDS[:2]]
+    holm = multipletests([t["p_value"] for t in family], method="holm")[1]
+    adjusted = {(t["a"], t["b"]): float(p) for t, p in zip(family, holm)}
     return [
         {
             "name": name,
-            **t,
-            "holm_p": float(holm[i]) if i < 2 else float("nan"),
-            **hodges_lehmann(t["diffs"]),
+            **tests[a, b],
+            "holm_p": adjusted.get((a, b), float("nan")),
+            **hodges_lehmann(tests[a, b]["diffs"]),
         }
-        for i, ((name, _, _), t) in enumerate(zip(ESTIMANDS, tests))
+        for name, a, b in ESTIMANDS
     ]
 
 

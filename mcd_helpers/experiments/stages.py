@@ -261,10 +261,12 @@ def finetuned(
 
 def recalibration_images(split: Split, source: str = "labeled", seed: int = 0) -> torch.Tensor:
     """The images BatchNorm's statistics are recomputed on, at most :data:`RECALIBRATION_IMAGES`:
-    the first labeled ones (``"labeled"``), the unlabeled fine-tuning pool (``"unlabeled"``), or
-    both in the proportions an official-schedule iteration's BatchNorm sees them (``"mixture"``:
-    Step A's labeled batch, then Step B's labeled and unlabeled one, 2 : 1 at equal batch sizes),
-    shuffled together with ``seed`` so that every batch holds both.
+    the first labeled ones (``"labeled"``, already in random order); the unlabeled fine-tuning pool
+    (``"unlabeled"``), shuffled with ``seed``, since the pool is stored ID first and every batch
+    must hold both, as the fine-tuning batches did; or both in the proportions an official-schedule
+    iteration's BatchNorm sees them (``"mixture"``: Step A's labeled batch, then Step B's labeled
+    and unlabeled one, 2 : 1 at equal batch sizes), the unlabeled part drawn from the shuffled pool,
+    shuffled together.
 
     Shapes: ``(N, C, H, W)``.
 
@@ -278,11 +280,13 @@ def recalibration_images(split: Split, source: str = "labeled", seed: int = 0) -
         )
     if source == "labeled":
         return split.x_sup[:RECALIBRATION_IMAGES]
+    g = torch.Generator().manual_seed(seed)
+    pool = split.x_unsup[torch.randperm(len(split.x_unsup), generator=g)]
     if source == "unlabeled":
-        return split.x_unsup[:RECALIBRATION_IMAGES]
-    n_unsup = min(len(split.x_unsup), RECALIBRATION_IMAGES // 3, len(split.x_sup) // 2)
-    x = torch.cat([split.x_sup[: 2 * n_unsup], split.x_unsup[:n_unsup]])
-    return x[torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))]
+        return pool[:RECALIBRATION_IMAGES]
+    n_unsup = min(len(pool), RECALIBRATION_IMAGES // 3, len(split.x_sup) // 2)
+    x = torch.cat([split.x_sup[: 2 * n_unsup], pool[:n_unsup]])
+    return x[torch.randperm(len(x), generator=g)]
 
 
 def recalibrated(cfg, model: nn.Module, split: Split, source: str = "labeled") -> nn.Module:
