@@ -8,6 +8,7 @@ from scipy import stats
 from mcd_helpers.experiments.mechanism import (
     ARMS,
     arm_table,
+    combined,
     estimands,
     mechanism_markdown,
     plot_mechanism,
@@ -87,3 +88,17 @@ def test_the_decomposition_figure_draws_each_arm_under_each_statistics_it_has():
     assert ax.get_title() == "unlabeled OOD images: 100% of the pool's"
     with pytest.raises(ValueError, match="no mechanism rows"):
         plot_mechanism([])
+
+
+def test_combined_takes_the_redone_evaluations_only_from_the_same_networks():
+    study = rows()
+    redone = [
+        {**r, "auroc": r["auroc"] + (0.05 if r["eval_stats"] != "running" else 0.0)} for r in study
+    ]
+    both = combined(study, redone)
+    assert len(both) == len(study)
+    unlabeled = [r["auroc"] for r in both if r["eval_stats"] == "recalibrated-unlabeled"]
+    assert unlabeled == [r["auroc"] for r in redone if r["eval_stats"] == "recalibrated-unlabeled"]
+    moved = [{**r, "auroc": r["auroc"] + 1e-9} for r in redone]  # other networks
+    with pytest.raises(ValueError, match="running-statistics rows differ"):
+        combined(study, moved)

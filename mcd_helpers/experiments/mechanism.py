@@ -43,6 +43,31 @@ ESTIMANDS = (
 )
 
 
+# the evaluations the registered run drew its images for in the pool's stored order (ID first),
+# redone with shuffled images by benchmarks/mechanism_recalibration.py
+REDONE = ("recalibrated-unlabeled", "recalibrated-mixture")
+
+
+def combined(study: Sequence[dict], redone: Sequence[dict]) -> list[dict]:
+    """The study's rows with its :data:`REDONE` evaluations replaced by those of the correction run
+    (``benchmarks/results/mechanism-recalibration``), which evaluated the same networks.
+
+    Raises:
+        ValueError: the two runs' running-statistics rows differ (not the same networks).
+    """
+    key = ("dose", "seed", "strategy")
+    mine = {tuple(r[k] for k in key): r["auroc"] for r in _running(study)}
+    theirs = {tuple(r[k] for k in key): r["auroc"] for r in _running(redone)}
+    if any(mine.get(k) != v for k, v in theirs.items()) or not theirs:
+        raise ValueError("the correction run's running-statistics rows differ from the study's.")
+    kept = [r for r in study if r.get("eval_stats") not in REDONE]
+    return kept + [r for r in redone if r.get("eval_stats") in REDONE]
+
+
+def _running(rows: Sequence[dict]) -> list[dict]:
+    return [r for r in rows if r["method"] == "mcd" and r.get("eval_stats") == "running"]
+
+
 def _mcd(rows: Sequence[dict], dose: str, eval_stats: str = "running") -> list[dict]:
     return [
         r
