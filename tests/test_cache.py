@@ -227,6 +227,18 @@ def test_the_code_version_follows_the_code_not_its_docstrings_comments_or_layout
     assert code_version(code) == before
 
 
+def test_the_running_package_keeps_the_version_of_the_code_it_imported(tmp_path, monkeypatch):
+    # a long run whose files are edited meanwhile must not label its networks with the edits
+    code = _package_copy(tmp_path)
+    monkeypatch.setattr(cache, "PACKAGE", code)
+    cache._running_version.cache_clear()
+    running = code_version()
+    losses = code / "losses.py"
+    losses.write_text(losses.read_text().replace("min=0)", "min=0.0)", 1))
+    assert code_version() == running != code_version(code)  # the files changed, the run did not
+    cache._running_version.cache_clear()
+
+
 @needs_fmnist
 def test_a_change_to_the_training_code_trains_again_saying_why(
     tmp_data_dir, tmp_path, monkeypatch, data

@@ -8,7 +8,6 @@ from scipy import stats
 from mcd_helpers.experiments.mechanism import (
     ARMS,
     arm_table,
-    combined,
     estimands,
     mechanism_markdown,
     plot_mechanism,
@@ -29,7 +28,7 @@ def rows():
     out = []
     for arm, values in AUROC.items():
         for seed, a in enumerate(values):
-            for stats_, shift in (("running", 0.0), ("recalibrated-unlabeled", 0.01)):
+            for stats_, shift in (("running", 0.0), ("recalibrated", 0.01)):
                 out.append(
                     {
                         "task": "near-ood",
@@ -68,7 +67,7 @@ def test_arm_table_counts_the_registered_collapses():
     sep = table["separate", "running"]
     assert (sep["collapsed"], sep["n"]) == (1, 5)  # 0.70 < 0.75
     assert sep["median"] == pytest.approx(0.84) and table["concat", "running"]["collapsed"] == 0
-    assert table["separate", "recalibrated-unlabeled"]["mean"] == pytest.approx(
+    assert table["separate", "recalibrated"]["mean"] == pytest.approx(
         np.mean(AUROC["separate"]) + 0.01
     )
     text = mechanism_markdown(rows())
@@ -84,21 +83,13 @@ def test_the_decomposition_figure_draws_each_arm_under_each_statistics_it_has():
     assert len(means) == 2 * len(ARMS)
     assert means[0] == pytest.approx(100 * np.mean(AUROC["separate"]))  # running, first arm
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels == ["running (the network's own)", "recalibrated on the unlabeled pool"]
+    assert labels == ["running (the network's own)", "recalibrated on labeled ID images"]
     assert ax.get_title() == "unlabeled OOD images: 100% of the pool's"
     with pytest.raises(ValueError, match="no mechanism rows"):
         plot_mechanism([])
 
 
-def test_combined_takes_the_redone_evaluations_only_from_the_same_networks():
-    study = rows()
-    redone = [
-        {**r, "auroc": r["auroc"] + (0.05 if r["eval_stats"] != "running" else 0.0)} for r in study
-    ]
-    both = combined(study, redone)
-    assert len(both) == len(study)
-    unlabeled = [r["auroc"] for r in both if r["eval_stats"] == "recalibrated-unlabeled"]
-    assert unlabeled == [r["auroc"] for r in redone if r["eval_stats"] == "recalibrated-unlabeled"]
-    moved = [{**r, "auroc": r["auroc"] + 1e-9} for r in redone]  # other networks
-    with pytest.raises(ValueError, match="running-statistics rows differ"):
-        combined(study, moved)
+def test_the_flawed_evaluations_are_left_out_of_the_tables():
+    flawed = [{**r, "eval_stats": "recalibrated-mixture"} for r in rows()]
+    table = arm_table(rows() + flawed, DOSE)
+    assert {e["eval_stats"] for e in table} == {"running", "recalibrated"}

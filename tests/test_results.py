@@ -134,7 +134,7 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     )
     assert stats.binomtest(20, 20).pvalue < 2e-6  # the exact sign test: 20 of 20 seeds positive
     answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
-    assert "it was +6.96 ± 3.14 (95% CI, 20 seeds)" in answer
+    assert "+6.96 ± 3.14 (95% CI, 20 seeds) on split `a`" in answer
     frozen, concat = (
         np.mean([100 * v[s, "running", i]["auroc"] for i in seeds]) for s in ("frozen-bn", "concat")
     )
@@ -418,8 +418,8 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     answer = (RESULTS.parents[1] / "docs" / "answer.md").read_text().replace("−", "-")
     assert "+2.67 [+1.50, +3.84]" in docs and "[-1.80, +7.14]" in docs and "28 of 30" in docs
     answer = " ".join(answer.split())  # its lines rewrapped
-    assert "by 2.67 points of **AUROC**" in answer and "95% CI +1.50 to +3.84" in answer
-    assert "28 of 30 splits ahead" in answer and "interval -1.80 to +7.14" in answer
+    assert "it gained 2.67 points of **AUROC**" in answer and "95% CI +1.50 to +3.84" in answer
+    assert "28 of 30 splits ahead" in answer and "a new split: -1.80 to +7.14" in answer
     assert "| 2.10 / 4.01 |" in docs and "| -0.08, p = 0.14 (r = -0.28) |" in docs
     rest = np.delete(means, means.argmax())  # docs: without the largest split
     assert (round(rest.mean(), 2), round(half_width(rest), 2)) == (2.21, 0.73)
@@ -505,3 +505,52 @@ def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
         for s in "bc"
         for pr in ("transductive", "disjoint")
     )
+
+
+def test_the_mechanism_plan_was_committed_before_its_run():
+    # benchmarks/mechanism-plan.md: registered before the first cell; run.json records the commit
+    import subprocess
+
+    run = json.loads((RESULTS / "mechanism" / "run.json").read_text())
+    commit = run["commit"].split("+")[0]
+    assert not run["commit"].endswith("+changes"), "the run started from uncommitted code"
+
+    def git(*args):
+        done = subprocess.run(
+            ["git", *args], cwd=RESULTS.parents[1], capture_output=True, text=True
+        )
+        if done.returncode:
+            pytest.skip(f"git cannot answer here ({done.stderr.strip()[:80]}): not a full checkout")
+        return done.stdout.strip()
+
+    committed_at = git("log", "-1", "--format=%cI", commit)
+    assert committed_at[:19] < run["started"]  # ISO times, both UTC on the machine that ran it
+    assert "## Predictions" in git("show", f"{commit}:benchmarks/mechanism-plan.md")
+
+
+def test_the_mechanism_study_the_answer_and_docs_quote():
+    # benchmarks/mechanism-plan.md's estimands, recomputed with scipy alone; the tables in
+    # docs/near-ood.md are the package's (mechanism_markdown) of the committed rows
+    from mcd_helpers.experiments.mechanism import mechanism_markdown
+
+    rows = load("mechanism")
+    v = {
+        (r["dose"], r["strategy"], r["seed"]): 100 * r["auroc"]
+        for r in rows
+        if r["method"] == "mcd" and r["eval_stats"] == "running"
+    }
+    full, seeds = "unlabeled_ood_fraction=1.0", range(20, 30)
+
+    def diff(a, b, dose=full):
+        return np.array([v[dose, a, i] - v[dose, b, i] for i in seeds])
+
+    e1, e2 = diff("interleave", "separate"), diff("concat", "interleave")
+    assert (round(e1.mean(), 2), round(e2.mean(), 2)) == (7.21, -0.17)
+    se = e2.std(ddof=1) / np.sqrt(len(e2))  # TOST at ±1 point: the larger one-sided p
+    tost = max(stats.t.sf((e2.mean() + 1) / se, 9), stats.t.cdf((e2.mean() - 1) / se, 9))
+    assert tost < 1e-5 and stats.ttest_1samp(e1, 0).pvalue < 0.01
+    answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
+    assert "(−0.17 points, equivalent within ±1, 10 fresh seeds)" in answer
+    assert "beat separate forwards by 7.21 points" in answer
+    docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
+    assert mechanism_markdown(rows) in docs

@@ -48,17 +48,30 @@ def _hash_files(files: tuple[tuple[str, str, int, int], ...]) -> str:
     return h.hexdigest()[:16]
 
 
-def code_version(root: Path = PACKAGE, modules=TRAINING_CODE) -> str:
-    """16 hex digits of a hash of ``modules`` (paths under ``root``, the package), read as code.
+def code_version(root: Path | None = None, modules=TRAINING_CODE) -> str:
+    """16 hex digits of a hash of ``modules`` (paths under ``root``), read as code.
+
+    ``root=None`` is the package this process runs, hashed once, at the first call, and kept: a
+    long run whose files are edited meanwhile keeps labelling its networks with the code it
+    imported, not with the edited files (a run once did the latter, and its networks could no
+    longer be found by their code). Another ``root`` is read again whenever its files change.
 
     Raises:
         FileNotFoundError: a module is missing. SyntaxError: one does not parse.
     """
+    if root is None:
+        return _running_version(PACKAGE, tuple(modules))
     files = []
     for name in modules:
         stat = (Path(root) / name).stat()
         files.append((name, str(Path(root) / name), stat.st_mtime_ns, stat.st_size))
     return _hash_files(tuple(files))
+
+
+@functools.lru_cache(maxsize=None)
+def _running_version(package: Path, modules: tuple[str, ...]) -> str:
+    """:func:`code_version` of the running package: once per process."""
+    return code_version(package, modules)
 
 
 def settings_key(cfg, stage: str, **more) -> str:
