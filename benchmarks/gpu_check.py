@@ -15,8 +15,8 @@ JSON report.
    rows compared with the one-GPU run's. Batch sizes are global: each of W processes takes 1/W of
    every batch (docs/gpu.md).
 4. **The paper presets' hours**: one pre-training epoch and one fine-tuning epoch of each
-   ``paper-*`` network timed on random CIFAR-shaped images (the time of a step does not depend on
-   the pixels), projected to the preset's epochs and OOD sets (evaluation left out).
+   ``paper-*`` preset timed on random CIFAR-shaped images (the time of a step does not depend on
+   the pixels), projected to the preset's epochs, OOD sets and strategies (evaluation left out).
 5. **The paper's data**: whether CIFAR-10/100 and ODIN's OOD folders are on disk.
 
 ``--tiny`` shrinks every run to seconds (the numbers then mean nothing; the quality bounds are not
@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mcd_helpers.data import data_present  # noqa: E402
-from mcd_helpers.experiments.config import get_preset  # noqa: E402
+from mcd_helpers.experiments.config import PRESETS, get_preset  # noqa: E402
 from mcd_helpers.losses import supervised_loss  # noqa: E402
 from mcd_helpers.models import build_model  # noqa: E402
 from mcd_helpers.strategies import mcd_step  # noqa: E402
@@ -55,7 +55,7 @@ TINY_FLAGS = [
     *("--pretrain-epochs", "1", "--finetune-epochs", "1", "--steps-per-epoch", "2"),
     *("--batch-size-sup", "32", "--batch-size-unsup", "32", "--ood-sets", "gaussian"),
 ]
-PAPER_PRESETS = ("paper-cifar10-densenet", "paper-cifar10-wrn")
+PAPER_PRESETS = tuple(name for name in PRESETS if name.startswith("paper-"))
 CIFAR_TRAIN = 50_000  # images a CIFAR epoch passes over
 
 
@@ -114,10 +114,11 @@ def run_reproduce(name: str, command: list[str], out: Path, bounds: bool) -> dic
     return {"name": name, "status": "passed" if ok else "failed", "detail": detail}
 
 
-def step_seconds(preset: str, device: str, steps: int, batch_scale: float) -> dict:
+def step_seconds(preset: str, device: str, steps: int | None, batch_scale: float) -> dict:
     """Seconds per pre-training step and per fine-tuning iteration (official schedule, the preset's
-    strategy) of ``preset``'s network on random CIFAR-shaped images, the mean of ``steps`` steps
-    after one warm-up step; batches scaled by ``batch_scale`` (``--tiny``)."""
+    strategy) of ``preset``'s network on random CIFAR-shaped images: the mean over one epoch of
+    each (``steps=None``: a pass over 50,000 images at the preset's batch sizes) or over ``steps``
+    steps, after one warm-up step; batches scaled by ``batch_scale`` (``--tiny``)."""
     cfg = get_preset(preset)
     classes = 100 if cfg.id_dataset == "cifar100" else 10
     model = build_model(cfg.model, 3, classes).to(device).train()
@@ -141,16 +142,20 @@ def step_seconds(preset: str, device: str, steps: int, batch_scale: float) -> di
         mcd_step(model, opt, x, y, xu, cfg.strategies[0], cfg.margin, cfg.schedule)
 
     timed = {}
-    for name, step in (("pretrain", pretrain_step), ("finetune", finetune_step)):
+    for name, step, size in (
+        ("pretrain", pretrain_step, sizes[0]),
+        ("finetune", finetune_step, sizes[1]),
+    ):
+        n = steps or CIFAR_TRAIN // size  # one epoch unless told
         step()  # warm-up: cuDNN's algorithm search, the allocator
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        for _ in range(steps):
+        for _ in range(n):
             step()
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        timed[name] = (time.perf_counter() - t0) / steps
+        timed[name] = (time.perf_counter() - t0) / n
     return timed
 
 
@@ -218,7 +223,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("build/gpu_check"), help="output folder")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:1, or cpu")
     p.add_argument("--tiny", action="store_true", help="toy sizes: seconds, numbers meaningless")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per paper network")
+    p.add_argument(
+        "--steps", type=int, help="timed steps per paper network (default: one epoch of each)"
+    )
     args = p.parse_args(argv)
     info = machine()
     for key, value in info.items():

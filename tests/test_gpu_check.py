@@ -15,7 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
 from mcd_helpers.experiments.cli import build_parser  # noqa: E402
-from mcd_helpers.experiments.config import get_preset  # noqa: E402
+from mcd_helpers.experiments.config import PRESETS, get_preset  # noqa: E402
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: nothing to refuse")
@@ -47,6 +47,7 @@ def test_a_tiny_cpu_run_writes_the_report_with_each_skip_explained(tmp_path):
     assert status["two GPUs (NCCL, SyncBatchNorm)"] == "skipped"
     two = next(c for c in report["checks"] if c["name"].startswith("two GPUs"))
     assert "needs two or more CUDA devices" in two["detail"]
+    assert set(report["hours"]) == {name for name in PRESETS if name.startswith("paper-")}
     # the projection by hand: 300 epochs of 50,000 // 128 steps; 10 such epochs per OOD set and
     # strategy
     cfg = get_preset("paper-cifar10-densenet")
