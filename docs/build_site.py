@@ -30,7 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 EXECUTED = ROOT / "build" / "executed"
 SRC, OUT = ROOT / "build" / "site-src", ROOT / "build" / "site"
 # What the landing page (README.md) links to besides docs/ and notebooks/, copied as they are.
-COPIED = ["docs", "LICENSE", "CITATION.cff", "CHANGELOG.md", "benchmarks/results/*/splits.png"]
+COPIED = [
+    *("docs", "LICENSE", "CITATION.cff", "CHANGELOG.md"),
+    *("benchmarks/results/*/splits.png", "benchmarks/results/*/decomposition.png"),
+]
 TOCTREE = """
 
 ```{toctree}

@@ -3,7 +3,6 @@ selection, and the strategies that change BatchNorm's statistics (split-bn, reca
 
 import copy
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -274,23 +273,3 @@ def test_recalibration_images_by_source():
     assert len(share) == 5 and share != list(range(100, 105))
     with pytest.raises(ValueError, match="labeled, unlabeled, mixture.*'test'"):
         stages.recalibration_images(split, "test")
-
-
-def test_the_mechanism_correction_draws_the_recalibration_images_as_the_package_does():
-    # benchmarks/mechanism_recalibration.py carries the fixed draw into the plan's older code
-    import sys
-
-    from mcd_helpers.splits import Split
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    import mechanism_recalibration
-
-    g = torch.Generator().manual_seed(0)
-    x_sup, x_unsup = torch.randn(50, 1, 2, 2, generator=g), torch.randn(40, 1, 2, 2, generator=g)
-    split = Split(x_sup, torch.empty(0), x_unsup, *[torch.empty(0)] * 6)
-    for source in ("labeled", "unlabeled", "mixture"):
-        for seed in (0, 7):
-            assert torch.equal(
-                mechanism_recalibration.recalibration_images(split, source, seed),
-                stages.recalibration_images(split, source, seed),
-            )

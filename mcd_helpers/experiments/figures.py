@@ -136,6 +136,20 @@ def _draw_random_effect(ax, fit: dict, y: float) -> float:
     return y
 
 
+def _draw_selected(ax, d: dict, y: float) -> float:
+    """A selected split's paired difference at height ``y``, apart and in red. Returns ``y``."""
+    ax.errorbar(
+        100 * d["mean"],
+        y,
+        xerr=100 * d["half_width"],
+        fmt="s",
+        color="C3",
+        capsize=3,
+        label="a selected split, not in the average: mean, 95% CI",
+    )
+    return y
+
+
 def split_forest(
     rows: Sequence[dict], selected: Sequence[dict] = (), title: str = "", xlim=(-15.0, 30.0)
 ):
@@ -161,16 +175,7 @@ def split_forest(
     fig, ax = plt.subplots(figsize=(7.5, 2.0 + 0.2 * (len(pairs) + 3 * len(extra))))
     ticks, labels = [], []
     for d in extra:  # at the top, apart from the random splits
-        ax.errorbar(
-            100 * d["mean"],
-            -2,
-            xerr=100 * d["half_width"],
-            fmt="s",
-            color="C3",
-            capsize=3,
-            label="a selected split, not in the average: mean, 95% CI",
-        )
-        ticks.append(-2)
+        ticks.append(_draw_selected(ax, d, y=-2))
         labels.append(
             f"split {d['class_split']}: selected after a first look ({len(d['diffs'])} seeds)"
         )
