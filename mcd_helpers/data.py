@@ -405,6 +405,12 @@ def load_ood(
         x = torch.stack(crops)  # (n, 1, 28, 28)
     else:  # mnist
         x = _read_split("MNIST", "test")[0]
+    return normalise(x, id_dataset)
+
+
+def normalise(x: torch.Tensor, id_dataset: str) -> torch.Tensor:
+    """Images ``(N, C, H, W)`` in [0, 1] normalised as ``id_dataset``'s are (Fashion-MNIST's one
+    mean and std, or CIFAR's per channel)."""
     return (x - FMNIST_MEAN) / FMNIST_STD if id_dataset == "fashion_mnist" else normalize_cifar(x)
 
 
@@ -417,9 +423,8 @@ def pixel_std(id_dataset: str):
 def normalised_black(id_dataset: str) -> torch.Tensor:
     """The normalised value of a black pixel of ``id_dataset``'s images, per channel, ``(C,)``:
     what torchvision's padding, applied before normalising, becomes after it."""
-    if id_dataset == "fashion_mnist":
-        return torch.tensor([(0.0 - FMNIST_MEAN) / FMNIST_STD])
-    return normalize_cifar(torch.zeros(1, 3, 1, 1)).flatten()
+    channels = 1 if id_dataset == "fashion_mnist" else 3
+    return normalise(torch.zeros(1, channels, 1, 1), id_dataset).flatten()
 
 
 def crop_flip(
