@@ -2,7 +2,8 @@
 JSON report.
 
     python benchmarks/gpu_check.py --out build/gpu_check        # on the GPU machine: minutes
-    python benchmarks/gpu_check.py --device cpu --tiny --out build/gpu_check   # the test's run
+    python benchmarks/gpu_check.py --device cpu --tiny --presets paper-cifar10-densenet \
+        --out build/gpu_check                                  # the test's run (a CPU, seconds)
 
 1. **The machine**: torch and the CUDA version its wheel was built for, cuDNN, NCCL, the driver
    (``nvidia-smi``), each GPU and its memory, and whether float32 convolutions and matrix
@@ -15,8 +16,9 @@ JSON report.
    rows compared with the one-GPU run's. Batch sizes are global: each of W processes takes 1/W of
    every batch (docs/gpu.md).
 4. **The paper presets' hours**: one pre-training epoch and one fine-tuning epoch of each
-   ``paper-*`` preset timed on random CIFAR-shaped images (the time of a step does not depend on
-   the pixels), projected to the preset's epochs, OOD sets and strategies (evaluation left out).
+   ``paper-*`` preset (``--presets`` names fewer) timed on random CIFAR-shaped images (the time
+   of a step does not depend on the pixels), projected to the preset's epochs, OOD sets and
+   strategies (evaluation left out).
 5. **The paper's data**: whether CIFAR-10/100 and ODIN's OOD folders are on disk.
 
 ``--tiny`` shrinks every run to seconds (the numbers then mean nothing; the quality bounds are not
@@ -210,7 +212,7 @@ def run_checks(args) -> tuple[list[dict], dict]:
             {"name": "two GPUs (NCCL, SyncBatchNorm)", "status": "skipped", "detail": why}
         )
     hours = {}
-    for preset in PAPER_PRESETS:
+    for preset in args.presets:
         seconds = step_seconds(preset, args.device, args.steps, 1 / 16 if args.tiny else 1.0)
         hours[preset] = projected_hours(preset, seconds)
     checks.append({"name": "paper presets timed", "status": "passed", "detail": str(hours)})
@@ -218,7 +220,8 @@ def run_checks(args) -> tuple[list[dict], dict]:
     return checks, hours
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line's settings; argparse exits 2 naming a bad flag or value."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("build/gpu_check"), help="output folder")
     p.add_argument("--device", default="cuda", help="cuda (default), cuda:1, or cpu")
@@ -226,7 +229,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--steps", type=int, help="timed steps per paper network (default: one epoch of each)"
     )
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--presets",
+        nargs="+",
+        choices=PAPER_PRESETS,
+        default=list(PAPER_PRESETS),
+        metavar="PRESET",
+        help=f"the paper presets to time (default: all of {', '.join(PAPER_PRESETS)})",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     info = machine()
     for key, value in info.items():
         print(f"{key}: {value}")

@@ -16,15 +16,17 @@ Run > Run All Cells, wait for the kernel, then check what a reader would see:
 
 The page is saved once Run All is checked, before a control is changed, and copied to
 build/executed/ (the site's copy): tests/test_notebooks.py then does not run it headless again.
-A tall screenshot of each notebook goes to build/screenshots/NAME.png (also when a check fails)
-and the wall times to build/browser_times.json. JupyterLab serves a temporary copy of the
+A tall screenshot of a notebook whose check failed goes to build/screenshots/NAME.png (of every
+notebook when MCD_SCREENSHOT_DIR is set: stitching one takes about 10 s), the wall times to
+build/browser_times.json. JupyterLab serves a temporary copy of the
 notebooks (see tests/browser_lab.py), so the committed ones stay without outputs.
 
 Needs Debian's Chromium (``apt-get install chromium``; .ci/run installs it) and Playwright for
 Python (the ``dev`` extra); without them every test here is skipped, saying why.
 Environment: MCD_BROWSER_NOTEBOOKS (paths or globs, ``os.pathsep``-separated) runs other
-notebooks instead; MCD_SCREENSHOT_DIR moves the screenshots; MCD_BROWSER_TIMEOUT (seconds per
-notebook, default 480); MCD_CHROMIUM (the browser, default /usr/bin/chromium).
+notebooks instead; MCD_SCREENSHOT_DIR (a folder) screenshots every notebook there;
+MCD_BROWSER_TIMEOUT (seconds per notebook, default 480); MCD_CHROMIUM (the browser, default
+/usr/bin/chromium).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def _notebooks() -> list[Path]:
 NOTEBOOKS = _notebooks()
 TIMEOUT_S = float(os.environ.get("MCD_BROWSER_TIMEOUT", "480"))
 SCREENSHOTS = Path(os.environ.get("MCD_SCREENSHOT_DIR", ROOT / "build" / "screenshots"))
+EVERY_SCREENSHOT = "MCD_SCREENSHOT_DIR" in os.environ  # else only a failed notebook's
 
 
 @pytest.fixture(scope="module")
@@ -177,8 +180,9 @@ def test_notebook_in_jupyterlab(path, lab, browser):
         checked = True
     finally:
         try:
-            size = nb.screenshot(SCREENSHOTS / f"{path.stem}.png")
-            print(f"screenshot {SCREENSHOTS / (path.stem + '.png')}: {size[0]}x{size[1]} px")
+            if EVERY_SCREENSHOT or not checked:
+                size = nb.screenshot(SCREENSHOTS / f"{path.stem}.png")
+                print(f"screenshot {SCREENSHOTS / (path.stem + '.png')}: {size[0]}x{size[1]} px")
         except Exception as err:  # noqa: BLE001  (a failed check already says more)
             if checked:
                 raise
