@@ -54,13 +54,16 @@ notebooks: $(VENV)/.core
 	MCD_QUICK=1 $(VENV)/bin/jupyter nbconvert --log-level WARN --to notebook --execute --ExecutePreprocessor.timeout=900 --output-dir build/notebooks $(NOTEBOOKS)
 	$(VENV)/bin/jupyter nbconvert --log-level WARN --to html $(addprefix build/notebooks/,$(notdir $(NOTEBOOKS)))
 
+# Tests run on TEST_WORKERS pytest-xdist workers, a test file (the notebooks' three files: one
+# group) to a worker; make test TEST_WORKERS=0 runs them in this process, one after another.
+TEST_WORKERS ?= 2
 # The layout first (ruff, pinned in pyproject.toml: the code, the tests and the notebooks' cells), then
 # the tests.
 test: EXTRA_APT += chromium  # the notebooks' browser tests
 test: system-deps $(VENV)/.dev
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/ruff check
-	$(PY) -m pytest -ra --durations=20
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -ra --durations=20
 
 # Every notebook top to bottom in full mode (what make lab runs), headless; not part of make test.
 # Wall times go to build/notebook_times_full.json, executed copies to build/executed-full/.

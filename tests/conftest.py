@@ -18,6 +18,26 @@ TEST_CACHE = ROOT / "build" / "test-cache"
 os.environ["MCD_DATA_DIR"] = str(TEST_CACHE)
 os.environ["XDG_CACHE_HOME"] = str(TEST_CACHE / "xdg")
 
+# `make test` runs the suite on 2 pytest-xdist workers (on 2 cores). Each worker, and every process
+# it starts (notebook kernels, torchrun ranks, the JupyterLab server), computes on one thread: two
+# processes of 2 threads each on 2 cores slow each other several-fold.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
+# Tests that hand work on through build/ run in this order on one worker: the browser tests save
+# the notebooks they ran (test_notebooks then skips them), and the site is built from both.
+NOTEBOOK_FILES = ("test_browser.py", "test_notebooks.py", "test_site.py")
+
+
+def pytest_collection_modifyitems(items):
+    """One xdist group per test file (a module's fixtures are computed once), and one group for
+    the NOTEBOOK_FILES (``--dist loadgroup``; without xdist the marks do nothing)."""
+    for item in items:
+        name = item.path.name
+        group = "notebooks" if name in NOTEBOOK_FILES else name
+        item.add_marker(pytest.mark.xdist_group(group))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
