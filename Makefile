@@ -63,7 +63,7 @@ test: EXTRA_APT += chromium  # the notebooks' browser tests
 test: system-deps $(VENV)/.dev
 	$(VENV)/bin/ruff format --check
 	$(VENV)/bin/ruff check
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup -ra --durations=20
+	$(PY) -m pytest -n $(TEST_WORKERS) -ra --durations=20
 
 # Every notebook top to bottom in full mode (what make lab runs), headless; not part of make test.
 # Wall times go to build/notebook_times_full.json, executed copies to build/executed-full/.

@@ -30,13 +30,19 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 NOTEBOOK_FILES = ("test_browser.py", "test_notebooks.py", "test_site.py")
 
 
-def pytest_collection_modifyitems(items):
-    """One xdist group per test file (a module's fixtures are computed once), and one group for
-    the NOTEBOOK_FILES (``--dist loadgroup``; without xdist the marks do nothing)."""
-    for item in items:
-        name = item.path.name
-        group = "notebooks" if name in NOTEBOOK_FILES else name
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: ignored when xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """Each test file to one worker, whole and in order (its module fixtures are computed once),
+    and the NOTEBOOK_FILES together. (xdist's ``--dist loadgroup`` would say this with marks, but
+    with pytest 9.2 it no longer groups: xdist 3.8 renames the items in a way pytest ignores.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "notebooks" if Path(file).name in NOTEBOOK_FILES else file
+
+    return ByFile(config, log)
 
 
 @pytest.fixture(autouse=True)
