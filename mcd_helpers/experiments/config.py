@@ -387,6 +387,7 @@ PRESETS: dict[str, MCDConfig] = {
         strategies=("separate",),
         odin_temperatures=(1000.0,),
         odin_epsilons=(0.0, 0.001, 0.002, 0.004),
+        channels_last=True,
     ),
     **{
         f"paper-{id_set}-{net}": MCDConfig(id_dataset=id_set, model=model, **_PAPER)
