@@ -277,7 +277,7 @@ BENCHMARK_PRESETS = {
             | _ODIN
             | dict(
                 train_subset=3000,
-                test_subset=1000,
+                test_subset=500,
                 n_val=40,
                 n_holdout=300,
                 ood_size=200,
