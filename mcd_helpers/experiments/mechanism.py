@@ -26,13 +26,16 @@ from .significance import (
 # the registered collapse threshold: a run whose AUROC is below 75%
 COLLAPSE = 0.75
 ARMS = ("separate", "concat", "interleave", "separate-detached", "concat-detached")
-EVAL_STATS = ("running", "recalibrated")  # those shown (FLAWED below: the two left out)
+# The evaluation statistics the tables and the figure show. The registered run also evaluated
+# "recalibrated-unlabeled" and "recalibrated-mixture", but drew their images in the pool's stored
+# order, ID first (stages.recalibration_images, fixed after the run): its "unlabeled pool" batches
+# were pure ID, then pure OOD, and its "mixture" held no OOD image. Their rows stay in
+# results.json and are left out here.
+EVAL_STATS = ("running", "recalibrated")
 # each evaluation statistics in words (tables and figures)
 EVAL_STATS_WORDS = {
     "running": "running (the network's own)",
     "recalibrated": "recalibrated on labeled ID images",
-    "recalibrated-unlabeled": "recalibrated on the unlabeled pool",
-    "recalibrated-mixture": "recalibrated on 2 labeled : 1 unlabeled",
 }
 # (name, a, b): the registered estimands, a - b; E1 and E2 are the primary family (Holm)
 ESTIMANDS = (
@@ -41,13 +44,6 @@ ESTIMANDS = (
     ("E3", "concat-detached", "separate-detached"),
     ("concat − separate", "concat", "separate"),
 )
-
-
-# The two evaluations the registered run got wrong: it drew their images in the pool's stored
-# order, ID first (stages.recalibration_images, fixed after the run), so its "unlabeled pool"
-# batches were pure ID, then pure OOD, and its "mixture" held no OOD image. Their rows stay in
-# results.json; the tables and the figure leave them out.
-FLAWED = ("recalibrated-unlabeled", "recalibrated-mixture")
 
 
 def _mcd(rows: Sequence[dict], dose: str, eval_stats: str = "running") -> list[dict]:
