@@ -5,6 +5,7 @@ table is unbacked."""
 
 import itertools
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -509,8 +510,6 @@ def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
 
 def test_the_mechanism_plan_was_committed_before_its_run():
     # benchmarks/mechanism-plan.md: registered before the first cell; run.json records the commit
-    import subprocess
-
     run = json.loads((RESULTS / "mechanism" / "run.json").read_text())
     commit = run["commit"].split("+")[0]
     assert not run["commit"].endswith("+changes"), "the run started from uncommitted code"
@@ -546,9 +545,7 @@ def test_the_mechanism_study_the_answer_and_docs_quote():
 
     e1, e2 = diff("interleave", "separate"), diff("concat", "interleave")
     assert (round(e1.mean(), 2), round(e2.mean(), 2)) == (7.21, -0.17)
-    se = e2.std(ddof=1) / np.sqrt(len(e2))  # TOST at ±1 point: the larger one-sided p
-    tost = max(stats.t.sf((e2.mean() + 1) / se, 9), stats.t.cdf((e2.mean() - 1) / se, 9))
-    assert tost < 1e-5 and stats.ttest_1samp(e1, 0).pvalue < 0.01
+    assert tost_p(e2, margin=1.0) < 1e-5 and stats.ttest_1samp(e1, 0).pvalue < 0.01
     answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
     assert "(−0.17 points, equivalent within ±1, 10 fresh seeds)" in answer
     assert "beat separate forwards by 7.21 points" in answer
