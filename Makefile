@@ -14,15 +14,25 @@ DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
 
 .PHONY: demo test test-full site lab system-deps notebooks clean
 
-$(VENV)/.core: pyproject.toml
+# The virtual environment, then pip. pip would compile every installed module to bytecode on one
+# core (about 90 s of the 5.5 GB torch install); compileall does it on every core instead. A few
+# files written for newer Pythons do not compile (torch/testing/_internal/py312_intrinsics.py on
+# 3.11): pip skips them too, and no import reads them, hence the `|| true`.
+define install
 	@[ -n "$(PYTHON)" ] && command -v $(PYTHON) >/dev/null || { echo "error: no Python >= 3.11 found (looked for python3.11, python3.12, python3.13, python3); install one (sudo apt-get install python3.11) or run make PYTHON=/path/to/python3"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e .
+	[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --no-compile -e '$(1)'
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
+endef
+
+$(VENV)/.core: pyproject.toml
+	$(call install,.)
 	touch $@
 
-$(VENV)/.dev: $(VENV)/.core
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+# The dev extra installs the package too, in the same pip call (one resolve instead of two).
+$(VENV)/.dev: pyproject.toml
+	$(call install,.[dev])
+	touch $(VENV)/.core $@
 
 # Debian packages: Graphviz's `dot` (torchviz graphs) and Fashion-MNIST (the ID set), with apt
 # when we are root and apt is there; otherwise say what to install.
