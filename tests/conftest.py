@@ -28,14 +28,32 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # Tests that hand work on through build/ run in this order on one worker: the browser tests save
 # the notebooks they ran (test_notebooks then skips them), and the site is built from both.
 NOTEBOOK_FILES = ("test_browser.py", "test_notebooks.py", "test_site.py")
+# The files that take longest (a minute or more on 2 cores), longest first: they start first, so
+# that the two workers end together; the other files follow in their usual order.
+LONGEST_FIRST = (
+    *NOTEBOOK_FILES,
+    "test_benchmark.py",
+    "test_ddp.py",
+    "test_reproduce.py",
+    "test_resume.py",
+    "test_results.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in-file order kept
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: ignored when xdist is not installed
 def pytest_xdist_make_scheduler(config, log):
     """Each test file to one worker, whole and in order (its module fixtures are computed once),
-    and the NOTEBOOK_FILES together. (xdist's ``--dist loadgroup`` would say this with marks, but
-    with pytest 9.2 it no longer groups: xdist 3.8 renames the items in a way pytest ignores.)"""
+    the NOTEBOOK_FILES together, in the order of collection (LONGEST_FIRST). (xdist's
+    ``--dist loadgroup`` would say this with marks, but with pytest 9.2 it no longer groups:
+    xdist 3.8 renames the items in a way pytest ignores.)"""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False  # xdist's default puts the files with most tests first
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
