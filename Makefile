@@ -10,7 +10,7 @@ APT_PACKAGES := graphviz dataset-fashion-mnist
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 # Notebooks that `make demo` executes (quick mode) into build/notebooks/ as .ipynb and .html.
-DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-3]_*.ipynb)
+DEMO_NOTEBOOKS ?= $(wildcard notebooks/0[1-4]_*.ipynb)
 
 .PHONY: demo test test-full site lab system-deps notebooks clean
 

@@ -1,4 +1,4 @@
-"""Several sources in one training step: a small measured training over batch layouts (notebook 08).
+"""Several sources in one training step: a small measured training over batch layouts (notebook 09).
 
 How a step's source batches (labeled, weak and strong augmentations, domains) are laid out into
 BatchNorm batches decides which statistics normalise each sample: the layouts of

@@ -3,7 +3,7 @@ statistics.
 
 With separate forwards of a labeled and an unlabeled batch, train-mode BatchNorm normalises each
 batch with its own statistics, but its *running* statistics (used at evaluation) average both
-streams. Three fixes from practice (notebooks 07 and 08):
+streams. Three fixes from practice (notebooks 08 and 09):
 
 * :func:`per_source_batchnorm` -- one set of running statistics per source (:func:`use_source`
   picks it), the affine weight and bias shared; evaluation uses source 0. The idea of AdvProp's

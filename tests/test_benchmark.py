@@ -156,7 +156,7 @@ def test_every_split_is_checked_before_any_training(tmp_path, tmp_data_dir, monk
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """near-ood-tiny on 2 seeds into its own output folder, computed once for the module. Its
-    networks go to the suite's shared cache: notebook 07's quick run is this grid and loads them
+    networks go to the suite's shared cache: notebook 08's quick run is this grid and loads them
     from there."""
     root = tmp_path_factory.mktemp("bench")
     rows = run_benchmark(TINY, root / "out", seeds=SEEDS, progress=False, quiet=True)

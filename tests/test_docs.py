@@ -37,10 +37,10 @@ def answer_block(text: str) -> str:
 
 
 def test_the_answer_is_said_the_same_way_everywhere():
-    # one home, docs/answer.md: the README shows it as it is; notebooks 02 and 07 render the file
+    # one home, docs/answer.md: the README shows it as it is; notebooks 02 and 08 render the file
     answer = answer_block((ROOT / "docs" / "answer.md").read_text())
     assert answer_block((ROOT / "README.md").read_text()) == answer
-    for stem in ("02_concat_vs_separate", "07_protocols_and_strategies"):
+    for stem in ("02_concat_vs_separate", "08_protocols_and_strategies"):
         cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text())["cells"]
         code = ["".join(c["source"]) for c in cells if c["cell_type"] == "code"]
         assert any('"docs" / "answer.md"' in c and "Markdown(" in c for c in code), stem

@@ -182,7 +182,7 @@ def test_a_missing_import_is_named_with_the_fix(monkeypatch, missing):
 
 
 def test_a_linear_weights_consumers_are_its_transposed_views_one_per_forward():
-    # notebook 03: under separate forwards the weight's AccumulateGrad is reached through two
+    # notebook 04: under separate forwards the weight's AccumulateGrad is reached through two
     # TBackward0 nodes
     lin = torch.nn.Linear(3, 2)
     loss = lin(torch.randn(4, 3)).sum() + lin(torch.randn(5, 3)).sum()

@@ -1,4 +1,4 @@
-"""Notebook 04's live pieces (mcd_helpers/experiments/live.py): the live plot, rerun through the
+"""Notebook 05's live pieces (mcd_helpers/experiments/live.py): the live plot, rerun through the
 pipeline and its widget.
 
 ``IPython.display.display`` is replaced by a recorder, so the tests see what a notebook would show.

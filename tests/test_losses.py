@@ -306,7 +306,7 @@ def test_ood_share_alone_cannot_reach_the_margin(share, k):
 
 
 def test_sharded_discrepancy_equals_the_global_one_only_while_the_hinge_is_open():
-    # notebook 06: DDP averages per-rank losses; the hinge of each shard's mean gap, averaged over
+    # notebook 07: DDP averages per-rank losses; the hinge of each shard's mean gap, averaged over
     # two equal shards, is the hinge of the global mean only while no shard's gap passes the margin
     g = torch.Generator().manual_seed(0)
     a = torch.randn(4, 3, generator=g, dtype=torch.float64)

@@ -1,4 +1,4 @@
-"""Notebook 08's sections 8 and 9: bf16 autocast with two forwards, and DataParallel with BatchNorm.
+"""Notebook 09's sections 8 and 9: bf16 autocast with two forwards, and DataParallel with BatchNorm.
 
 The running mean BatchNorm keeps under autocast is checked against a float64 mean of its bf16
 input; bf16 against float16 underflow from their formats' constants. DataParallel: on the CPU the

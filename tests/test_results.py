@@ -371,7 +371,7 @@ def test_the_three_split_table_docs_quote_is_per_split_and_pools_split_means():
 
 
 def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
-    # docs/near-ood.md "Generality", README, notebook 07: the balanced one-way random-effects ANOVA
+    # docs/near-ood.md "Generality", README, notebook 08: the balanced one-way random-effects ANOVA
     # by hand
     rows = load("generality")
     v = {
@@ -472,7 +472,7 @@ def test_the_deeper_network_endpoint_docs_quote():
 
 
 def test_the_committed_benchmark_splits_disagree_on_concat_minus_separate():
-    # docs/near-ood.md and notebook 07: per class split, from the committed rows, with scipy's
+    # docs/near-ood.md and notebook 08: per class split, from the committed rows, with scipy's
     # paired t-test
     rows = load("near-ood")
     auroc = {

@@ -388,7 +388,7 @@ def test_fixmatch_and_mixmatch_interleave_agree_on_shares_for_two_sources_only(k
 
 
 def test_one_forward_of_an_interleaved_batch_gives_the_same_gradients_after_de_interleaving():
-    # notebook 08's answer: with one forward (no chunks), interleaving changes nothing beyond
+    # notebook 09's answer: with one forward (no chunks), interleaving changes nothing beyond
     # rounding, even under train-mode BatchNorm; per-chunk forwards of the same rows do change them
     torch.manual_seed(0)
     size, net = 15, source_net("batch").double()

@@ -106,7 +106,7 @@ class MCDConfig:
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it
     finetune_lr: float = 0.01  # official: constant 0.01 (paper text: 0.1, uncertain)
     finetune_momentum: float = 0.9  # official train.py: 0.9
-    # official train.py: 1e-4 (its resumed optimizer state: notebook 05)
+    # official train.py: 1e-4 (its resumed optimizer state: notebook 06)
     finetune_weight_decay: float = 1e-4
     batch_size_sup: int = 128  # labeled ID images per step (official train.py: 128)
     batch_size_unsup: int = 128  # unlabeled images per step (official: the loader's 128)
@@ -366,9 +366,9 @@ PRESETS: dict[str, MCDConfig] = {
     "quick": MCDConfig(**_QUICK, finetune_lr=0.005),
     # the same pre-trained network, the blog's fine-tuning
     "quick-step-b": MCDConfig(**{**_QUICK, **_STEP_B}),
-    # Notebooks 04-05 in full mode: the "quick" pre-trained network, 3 fine-tuning epochs.
+    # Notebooks 05-06 in full mode: the "quick" pre-trained network, 3 fine-tuning epochs.
     "notebook": MCDConfig(**_QUICK, finetune_epochs=3, finetune_lr=0.003, strategies=("separate",)),
-    # Notebooks 04-05 with MCD_QUICK=1 (<= 3 minutes each on 2 cores, cold cache): 15,000 training
+    # Notebooks 05-06 with MCD_QUICK=1 (<= 3 minutes each on 2 cores, cold cache): 15,000 training
     # images, 2 pre-training epochs, 3 fine-tuning epochs of 30 steps of 64 + 64 at lr 0.005 (0.01
     # raises the labeled CE within so few steps), 500 + 500 validation images, 1,500 ID test images,
     # 1,000-image generated OOD sets.

@@ -3,7 +3,7 @@ a no-op.
 
 Each rank takes ``batch[rank::world]`` of the single-process batch
 (:class:`mcd_helpers.experiments.loop.Batches`), the ranks' BatchNorm statistics are averaged before
-an evaluation, and scores are gathered. Why: notebook 06.
+an evaluation, and scores are gathered. Why: notebook 07.
 """
 
 import datetime
@@ -65,7 +65,7 @@ def reduce_max(value: int, device="cpu") -> int:
 def average_buffers(net: nn.Module) -> None:
     """Every floating buffer replaced by its mean over the ranks: exact for the first BatchNorm's
     running mean; the averaged running_var lacks the between-rank term of the global variance
-    (notebook 06)."""
+    (notebook 07)."""
     for buf in (b for b in net.buffers() if b.is_floating_point() and world()[1] > 1):
         dist.all_reduce(buf)
         buf.div_(world()[1])

@@ -1,4 +1,4 @@
-"""What updates while you watch (notebook 04): a live training plot and a widget that fine-tunes
+"""What updates while you watch (notebook 05): a live training plot and a widget that fine-tunes
 again.
 
 :func:`rerun` goes through :func:`~mcd_helpers.experiments.pipeline.run_ood_set`, the one driver: a

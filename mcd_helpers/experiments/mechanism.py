@@ -5,7 +5,7 @@ concatenating wins under train-mode BatchNorm, from ``results.json``'s rows alon
   t interval, the sign test, TOST at ±1 point, the median and the Hodges-Lehmann shift;
 * :func:`arm_table` -- per arm and evaluation statistics: mean AUROC, median, ID accuracy and the
   collapse rate (AUROC below :data:`COLLAPSE`, registered);
-* :func:`mechanism_markdown` -- both as the tables docs/near-ood.md and notebook 07 show.
+* :func:`mechanism_markdown` -- both as the tables docs/near-ood.md and notebook 08 show.
 
 Values are fractions in the rows and percentage points in the tables.
 """

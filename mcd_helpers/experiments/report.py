@@ -1,7 +1,7 @@
 """The benchmark's report from ``results.json``'s rows alone: tables of results (values in %),
 paired differences, endpoints and split effects, and its figures.
 
-* :func:`benchmark_tables` (summaries and paired differences), the views notebook 07 shows
+* :func:`benchmark_tables` (summaries and paired differences), the views notebook 08 shows
   (:func:`pooled_summary`, :func:`pivot_markdown`, :func:`setting_differences`), and
 * :func:`write_report` (``summary.md`` and :func:`draw_figures`: ``forest.png``,
   ``by_protocol.png``, ``splits.png``): ``write_report(json.load(f), folder)`` rebuilds them.
