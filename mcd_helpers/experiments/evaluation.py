@@ -116,11 +116,12 @@ def evaluate(
         row = {**common, "method": method, "strategy": strategy, **ood_metrics(*pair)}
         rows.append({**row, "id_accuracy": accuracy, **extra})
 
-    logits = test_logits(cfg, base, split)
-    for method, (pair, extra) in _baselines(
-        cfg, base, split, logits, methods, {} if seconds is None else seconds
-    ).items():
-        add(method, method, None, pair, logits[0][0], **extra)
+    if any(m != "mcd" for m in methods):  # the baselines score the pre-trained network
+        logits = test_logits(cfg, base, split)
+        for method, (pair, extra) in _baselines(
+            cfg, base, split, logits, methods, {} if seconds is None else seconds
+        ).items():
+            add(method, method, None, pair, logits[0][0], **extra)
     for strategy, model in tuned.items() if "mcd" in methods else ():
         (l1_id, l2_id), (l1_ood, l2_ood) = test_logits(cfg, model, split)
         pair = (discrepancy_score(l1_id, l2_id), discrepancy_score(l1_ood, l2_ood))
