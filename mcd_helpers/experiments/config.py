@@ -366,7 +366,8 @@ PRESETS: dict[str, MCDConfig] = {
     "quick": MCDConfig(**_QUICK, finetune_lr=0.005),
     # the same pre-trained network, the blog's fine-tuning
     "quick-step-b": MCDConfig(**{**_QUICK, **_STEP_B}),
-    # Notebooks 05-06 in full mode: the "quick" pre-trained network, 3 fine-tuning epochs.
+    # Notebook 05's walk-through in full mode: the "quick" pre-trained network, 3 fine-tuning
+    # epochs (its table and notebook 06 load the "quick" preset's own fine-tuned networks).
     "notebook": MCDConfig(**_QUICK, finetune_epochs=3, finetune_lr=0.003, strategies=("separate",)),
     # Notebooks 05-06 with MCD_QUICK=1 (<= 3 minutes each on 2 cores, cold cache): 15,000 training
     # images, 2 pre-training epochs, 3 fine-tuning epochs of 30 steps of 64 + 64 at lr 0.005 (0.01
