@@ -5,7 +5,7 @@ BatchNorm batches decides which statistics normalise each sample: the layouts of
 :func:`mcd_helpers.strategies.forward_batches` (``concat``, ``separate``, ``interleave``,
 ``mixed``, ``chunks``). :func:`train_sources` trains a small MLP on synthetic domains that differ
 by a shift, with any layout and any normalisation (:data:`SOURCE_NORMS`: a layer, or one of the
-strategy table's BatchNorm treatments ``split-bn``, ``frozen-bn``, ``recalibrate``), and measures
+strategy table's BatchNorm treatments ``split-bn``, ``eval-bn``, ``recalibrate``), and measures
 accuracy in eval and in train mode.
 """
 
@@ -27,7 +27,7 @@ SOURCE_NORMS = (
     "none",
     "no_running_stats",
     "split-bn",
-    "frozen-bn",
+    "eval-bn",
     "recalibrate",
 )
 
@@ -48,7 +48,7 @@ def source_net(
     norm: str = "batch", dim: int = 8, hidden: int = 32, num_sources: int = 2
 ) -> nn.Module:
     """``Linear -> norm -> ReLU -> Linear -> norm -> ReLU -> Linear(2)`` with a norm of
-    :data:`SOURCE_NORMS` (``"frozen-bn"`` and ``"recalibrate"`` build plain BatchNorm;
+    :data:`SOURCE_NORMS` (``"eval-bn"`` and ``"recalibrate"`` build plain BatchNorm;
     :func:`train_sources` applies the treatment).
 
     Raises:
@@ -88,7 +88,7 @@ class SourcesResult:
 
 def _train_mode(model: nn.Module, norm: str) -> nn.Module:
     """``model.train()``, BatchNorm as the strategy ``norm`` fine-tunes it (eval mode for
-    frozen-bn)."""
+    eval-bn)."""
     return train_mode(model, norm) if norm in STRATEGIES else model.train()
 
 
@@ -110,7 +110,7 @@ def train_sources(
 ) -> SourcesResult:
     """Train :func:`source_net` on :func:`make_domains`, one batch per source per step, loss the
     mean of the sources' cross-entropies (nats), SGD with momentum 0.9, all seeded by ``seed``.
-    ``"frozen-bn"`` keeps BatchNorm in eval mode while training; ``"recalibrate"`` recomputes the
+    ``"eval-bn"`` keeps BatchNorm in eval mode while training; ``"recalibrate"`` recomputes the
     statistics on source 0 after it; ``"split-bn"`` keeps running statistics per source.
 
     Raises:

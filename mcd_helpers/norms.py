@@ -1,4 +1,4 @@
-"""BatchNorm's coupling and its fixes: per-source running statistics, recalibration, frozen
+"""BatchNorm's coupling and its fixes: per-source running statistics, recalibration, eval-mode
 statistics.
 
 With separate forwards of a labeled and an unlabeled batch, train-mode BatchNorm normalises each
@@ -11,7 +11,7 @@ streams. Three fixes from practice (notebooks 08 and 09):
   (Chang et al., CVPR 2019, arXiv 1906.03950).
 * :func:`recalibrate_bn` -- after training, recompute the running statistics on ID data alone
   (an equal-weight average over batches, as ``torch.optim.swa_utils.update_bn``).
-* :func:`freeze_bn` -- BatchNorm in eval mode during training: no sample is coupled to another.
+* :func:`eval_mode_bn` -- BatchNorm in eval mode during training: no sample is coupled to another.
 
 And one probe of the coupling itself, for the mechanism study (docs/near-ood.md):
 
@@ -171,8 +171,9 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     The statistics are reset and re-estimated as the equal-weight average over the batches of
     ``x`` (``momentum=None``, as ``torch.optim.swa_utils.update_bn``): the mean of the batch means
     and of the unbiased batch variances; a last batch of one sample is skipped. Parameters, modes
-    and momenta are kept (frozen layers stay frozen and are recalibrated too); on an error the old
-    statistics come back. Source 0 of a :class:`PerSourceBatchNorm` is the one recalibrated.
+    and momenta are kept (layers in eval mode stay in eval mode and are recalibrated too); on an
+    error the old statistics come back. Source 0 of a :class:`PerSourceBatchNorm` is the one
+    recalibrated.
 
     Shapes:
         x: ``(N, ...)``, the model's input (e.g. ID training images), on the model's device.
@@ -227,14 +228,14 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     return model
 
 
-def freeze_bn(model: nn.Module) -> nn.Module:
+def eval_mode_bn(model: nn.Module) -> nn.Module:
     """Put every BatchNorm of ``model`` in eval mode, in place (call it after ``model.train()``).
 
-    Frozen layers normalise with their running statistics and never update them, so concat
+    Layers in eval mode normalise with their running statistics and never update them, so concat
     equals separate; their weight and bias still learn. Raises ``ValueError`` without BatchNorm.
     """
     if not (layers := [m for m in model.modules() if isinstance(m, (*_BN, PerSourceBatchNorm))]):
-        raise ValueError("freeze_bn: the model has no BatchNorm layer.")
+        raise ValueError("eval_mode_bn: the model has no BatchNorm layer.")
     for m in layers:
         m.eval()
     return model
@@ -249,7 +250,7 @@ class DetachedStatsBatchNorm(nn.BatchNorm2d):
     variance as constants, so ``dy/dx = weight / sqrt(var + eps)`` per channel and no sample's
     gradient reaches another through the statistics. Eval mode is ``nn.BatchNorm``'s. A subclass of
     ``nn.BatchNorm2d`` that accepts any input ``(N, C, *)``, so that :func:`recalibrate_bn` and
-    :func:`freeze_bn` treat it as BatchNorm.
+    :func:`eval_mode_bn` treat it as BatchNorm.
 
     Shapes: x ``(N, C)`` or ``(N, C, *)`` -> the same shape.
     """

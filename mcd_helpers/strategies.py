@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .losses import step_b_objective, supervised_loss
-from .norms import freeze_bn, has_sources, use_source
+from .norms import eval_mode_bn, has_sources, use_source
 
 # ---- layouts: k batches through one model --------------------------------------------------------
 
@@ -212,10 +212,10 @@ STRATEGIES = {
                  "separate's network, statistics recomputed on labeled ID data"),
         Strategy("concat-both", "with-unlabeled", "concat", "train", "running", "concat-both",
                  "concat, and Step A also forwards the unlabeled batch"),
-        Strategy("frozen-bn", "labeled", "separate", "eval", "running", "frozen-bn",
+        Strategy("eval-bn", "labeled", "separate", "eval", "running", "eval-bn",
                  "separate with BatchNorm in eval mode while fine-tuning (no coupling)"),
-        Strategy("frozen-bn-concat", "labeled", "concat", "eval", "running", "frozen-bn-concat",
-                 "concat with BatchNorm in eval mode: the same network as frozen-bn"),
+        Strategy("eval-bn-concat", "labeled", "concat", "eval", "running", "eval-bn-concat",
+                 "concat with BatchNorm in eval mode: the same network as eval-bn"),
         Strategy("interleave", "labeled", "interleave", "train", "running", "interleave",
                  "two forwards in Step B, each half labeled and half unlabeled (FixMatch's)"),
         Strategy("separate-detached", "labeled", "separate", "detached-stats", "running",
@@ -241,7 +241,7 @@ def train_mode(model: nn.Module, name: str) -> nn.Module:
     """``model.train()``, with BatchNorm in eval mode where strategy ``name`` fine-tunes so."""
     model.train()
     if get_strategy(name).batchnorm == "eval":
-        freeze_bn(model)
+        eval_mode_bn(model)
     return model
 
 

@@ -317,7 +317,7 @@ def test_every_arm_has_running_and_recalibrated_rows_and_eval_batchnorm_uncouple
     for seed in range(3):
         # no coupling: the same network, to float32 rounding
         for stats in ("running", "recalibrated"):
-            a, b = mcd["frozen-bn", stats, seed], mcd["frozen-bn-concat", stats, seed]
+            a, b = mcd["eval-bn", stats, seed], mcd["eval-bn-concat", stats, seed]
             assert (
                 abs(a["auroc"] - b["auroc"]) < 1e-3
                 and abs(a["id_accuracy"] - b["id_accuracy"]) < 1e-3

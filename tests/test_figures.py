@@ -95,13 +95,13 @@ def test_forest_plot_labels_are_words_without_empty_fields():
     # different strategies
     rows = [
         {**r, "dose": ""}
-        for r in three_protocols(("concat", "separate", "frozen-bn"))
+        for r in three_protocols(("concat", "separate", "eval-bn"))
         if r["protocol"] == "disjoint"
     ]
-    paired = paired_differences(rows) + paired_differences(rows, "separate", "frozen-bn")
+    paired = paired_differences(rows) + paired_differences(rows, "separate", "eval-bn")
     (ax,) = forest_plot(paired).axes
     labels = [t.get_text() for t in ax.get_yticklabels()]
-    assert labels == ["concat − separate", "separate − frozen-bn"]
+    assert labels == ["concat − separate", "separate − eval-bn"]
     assert ax.get_xlabel() == "difference between strategies, AUROC (percentage points)"
     assert ax.get_ylabel() == "comparison"
     keys = (*GROUP_KEYS, "dose")

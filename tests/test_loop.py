@@ -175,7 +175,7 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
     two steps."""
     net = copy.deepcopy(model).train()
     # BatchNorm normalises with its running statistics and keeps them
-    if strategy.startswith("frozen-bn"):
+    if strategy.startswith("eval-bn"):
         for m in net.modules():
             m.train(not isinstance(m, nn.BatchNorm2d))
     params, bufs, parts = list(net.parameters()), {}, {}
@@ -196,7 +196,7 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
         )
         parts["step_a"] = loss_a.item()
         sgd(loss_a)
-    if strategy in ("concat", "concat-both", "frozen-bn-concat"):
+    if strategy in ("concat", "concat-both", "eval-bn-concat"):
         l1, l2 = net(torch.cat([xs, xu]))
         (l1s, l1u), (l2s, l2u) = l1.split([len(xs), len(xu)]), l2.split([len(xs), len(xu)])
     else:
@@ -216,8 +216,8 @@ def _by_hand(model, xs, ys, xu, cfg, strategy, detach_f2=True):
         ("concat", "official"),
         ("separate", "step_b"),
         ("concat-both", "official"),
-        ("frozen-bn", "official"),
-        ("frozen-bn-concat", "official"),
+        ("eval-bn", "official"),
+        ("eval-bn-concat", "official"),
     ],
 )
 def test_one_iteration_written_out_in_float64_equals_train(strategy, schedule):
@@ -252,11 +252,11 @@ def test_one_iteration_written_out_in_float64_equals_train(strategy, schedule):
         )
 
 
-def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_separate_equal():
+def test_concat_both_differs_from_concat_and_eval_mode_batchnorm_makes_concat_and_separate_equal():
     split, cfg = _split(torch.float64), _cfg(finetune_epochs=1, steps_per_epoch=3)
     nets = {
         s: copy.deepcopy(_model().double())
-        for s in ("concat", "concat-both", "frozen-bn", "frozen-bn-concat")
+        for s in ("concat", "concat-both", "eval-bn", "eval-bn-concat")
     }
     for s, net in nets.items():
         train(net, split, cfg, s, progress=False)
@@ -273,12 +273,12 @@ def test_concat_both_differs_from_concat_and_frozen_batchnorm_makes_concat_and_s
 
     assert gap("concat", "concat-both") > 1e-4  # Step A's statistics changed the weights
     # no coupling: the same network to float64 rounding
-    assert gap("frozen-bn", "frozen-bn-concat") < 1e-12
-    assert gap("frozen-bn", "concat") > 1e-4
+    assert gap("eval-bn", "eval-bn-concat") < 1e-12
+    assert gap("eval-bn", "concat") > 1e-4
     bns = lambda net: [m for m in net.modules() if isinstance(m, nn.BatchNorm2d)]  # noqa: E731
     assert bns(nets["concat"]) and all(
-        torch.equal(a.running_mean, b.running_mean)  # frozen: the statistics kept
-        for a, b in zip(bns(_model().double()), bns(nets["frozen-bn"]))
+        torch.equal(a.running_mean, b.running_mean)  # eval mode: the statistics kept
+        for a, b in zip(bns(_model().double()), bns(nets["eval-bn"]))
     )
 
 

@@ -59,7 +59,7 @@ ANY_NORM = (nn.BatchNorm1d, nn.GroupNorm, nn.LayerNorm, PerSourceBatchNorm)
     "norm, layer, count",
     [
         ("batch", nn.BatchNorm1d, 2),
-        ("frozen-bn", nn.BatchNorm1d, 2),
+        ("eval-bn", nn.BatchNorm1d, 2),
         ("recalibrate", nn.BatchNorm1d, 2),
         ("no_running_stats", nn.BatchNorm1d, 2),
         ("group", nn.GroupNorm, 2),
@@ -137,7 +137,7 @@ def test_each_fix_rescues_domain_0_and_recalibration_loses_domain_1(runs):
 @pytest.mark.slow
 def test_without_train_mode_coupling_eval_and_train_accuracy_are_the_same(runs):
     by_norm, _ = runs
-    for norm in ("group", "layer", "none", "frozen-bn", "no_running_stats"):
+    for norm in ("group", "layer", "none", "eval-bn", "no_running_stats"):
         for r in by_norm[norm]:  # the same statistics normalise a pure test batch in both modes
             assert r.eval_acc == r.train_acc, norm
             assert len(r.losses) == 150 and all(np.isfinite(r.losses))

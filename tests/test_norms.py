@@ -1,4 +1,4 @@
-"""mcd_helpers.norms: per-source statistics, recalibration and frozen BatchNorm, checked against
+"""mcd_helpers.norms: per-source statistics, recalibration and eval-mode BatchNorm, checked against
 nn.BatchNorm and by hand."""
 
 import copy
@@ -13,7 +13,7 @@ from mcd_helpers.norms import (
     DetachedStatsBatchNorm,
     PerSourceBatchNorm,
     detached_stats_batchnorm,
-    freeze_bn,
+    eval_mode_bn,
     has_sources,
     per_source_batchnorm,
     recalibrate_bn,
@@ -156,7 +156,7 @@ def test_recalibrate_rewrites_source_0_only():
     assert model[1].num_batches_tracked.tolist() == [1, 1] and model[1].momentum == 0.1
 
 
-def test_recalibrate_restores_everything_on_error_and_keeps_frozen_layers_frozen():
+def test_recalibrate_restores_everything_on_error_and_keeps_eval_mode_layers_in_eval_mode():
     model = net().train()
     model(data(16, 2.0))
     before = copy.deepcopy(model.state_dict())
@@ -165,13 +165,13 @@ def test_recalibrate_restores_everything_on_error_and_keeps_frozen_layers_frozen
         recalibrate_bn(model, torch.randn(10, 3, dtype=D))
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert model.training and model[1].momentum == 0.1
-    frozen = freeze_bn(net().train())
-    recalibrate_bn(frozen, data(20, 1.0), batch_size=10)
-    assert frozen.training and not frozen[1].training and int(frozen[1].num_batches_tracked) == 2
+    in_eval = eval_mode_bn(net().train())
+    recalibrate_bn(in_eval, data(20, 1.0), batch_size=10)
+    assert in_eval.training and not in_eval[1].training and int(in_eval[1].num_batches_tracked) == 2
 
 
-def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
-    model = freeze_bn(net().train())
+def test_eval_mode_batchnorm_decouples_the_samples_and_its_affine_still_learns():
+    model = eval_mode_bn(net().train())
     assert model.training and not model[1].training
     loss = lambda outs: sum((i + 1) * o.pow(2).mean() for i, o in enumerate(outs))  # noqa: E731
     c = compare_forwards(model, [data(4, 0, 1), data(5, 3, 2), data(6, -2, 3)], loss)
@@ -228,8 +228,8 @@ def test_frozen_batchnorm_decouples_the_samples_and_its_affine_still_learns():
             r"batch_size.*2\.5",
         ),
         (
-            lambda: freeze_bn(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))),
-            "freeze_bn.*BatchNorm",
+            lambda: eval_mode_bn(nn.Sequential(nn.Linear(2, 2), nn.LayerNorm(2))),
+            "eval_mode_bn.*BatchNorm",
         ),
     ],
 )

@@ -306,11 +306,11 @@ def test_split_effects_equal_the_balanced_anova_and_the_pooled_split_means():
 def test_an_arm_of_one_class_split_is_left_out_of_the_pooled_split_means():
     rows = bench_rows(far=False)
     extra = [
-        {**r, "strategy": "frozen-bn"}
+        {**r, "strategy": "eval-bn"}
         for r in rows
         if r["class_split"] == "a" and r["strategy"] == "separate"
     ]
-    # frozen-bn ran on split a only: nothing to pool over splits
+    # eval-bn ran on split a only: nothing to pool over splits
     pooled = pooled_summary(rows + extra)
     assert {g["strategy"] for g in pooled} == {"concat", "separate", None}
     assert pooled == pooled_summary(rows)

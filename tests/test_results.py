@@ -136,10 +136,10 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     assert stats.binomtest(20, 20).pvalue < 2e-6  # the exact sign test: 20 of 20 seeds positive
     answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
     assert "+6.96 ± 3.14 (95% CI, 20 seeds) on split `a`" in answer
-    frozen, concat = (
-        np.mean([100 * v[s, "running", i]["auroc"] for i in seeds]) for s in ("frozen-bn", "concat")
+    eval_bn, concat = (
+        np.mean([100 * v[s, "running", i]["auroc"] for i in seeds]) for s in ("eval-bn", "concat")
     )
-    assert f"{frozen:.2f}% against {concat:.2f}% AUROC" == "90.17% against 91.10% AUROC"
+    assert f"{eval_bn:.2f}% against {concat:.2f}% AUROC" == "90.17% against 91.10% AUROC"
     assert "90.17% against 91.10% AUROC" in answer
     assert diff("concat", "separate", "recalibrated")[:2] == (12.92, 3.52)
     # docs/near-ood.md: what recalibrating on labeled ID data does to each arm (not a neutral probe)
@@ -153,13 +153,13 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
             ),
             2,
         )
-        for s in ("separate", "frozen-bn", "concat")
+        for s in ("separate", "eval-bn", "concat")
     }
-    assert shift == {"separate": -6.01, "frozen-bn": -2.41, "concat": -0.06}
+    assert shift == {"separate": -6.01, "eval-bn": -2.41, "concat": -0.06}
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
-    assert "`frozen-bn` (by 2.41)" in docs and "(−0.06)" in docs
+    assert "`eval-bn` (by 2.41)" in docs and "(−0.06)" in docs
     assert diff("concat", "separate", metric="fpr95")[:2] == (-22.0, 5.45)
-    assert diff("separate", "frozen-bn")[:2] == (-6.03, 2.88)
+    assert diff("separate", "eval-bn")[:2] == (-6.03, 2.88)
     mean, half, p, d = diff("concat-both", "concat")
     # Step A's concatenation adds nothing measurable
     assert (mean, half) == (0.09, 0.24) and p > 0.4
@@ -168,7 +168,7 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
         and "| 0.42 | 0.82 | 0.42 | **8.2e-08** |"
         in (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     )
-    mean, half, _, d = diff("frozen-bn-concat", "frozen-bn")
+    mean, half, _, d = diff("eval-bn-concat", "eval-bn")
     # float32 rounding grown over 200 steps
     assert (mean, half) == (-0.01, 0.08) and round(np.abs(d).max(), 2) == 0.47
     assert (
@@ -179,7 +179,7 @@ def test_the_primary_endpoint_and_the_numbers_the_readme_quotes():
     def mean(s, stats_="running"):
         return round(100 * np.mean([v[s, stats_, i]["auroc"] for i in seeds]), 2)  # noqa: E731
 
-    assert [mean(s) for s in ("separate", "frozen-bn", "concat")] == [84.15, 90.17, 91.10]
+    assert [mean(s) for s in ("separate", "eval-bn", "concat")] == [84.15, 90.17, 91.10]
     # its running statistics rescue part
     assert mean("separate", "recalibrated") == 78.13 < mean("separate")
     assert sum(v["separate", "running", i]["auroc"] < 0.73 for i in seeds) == 3

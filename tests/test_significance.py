@@ -295,7 +295,7 @@ def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
         norm="batch",
     )
     for seed in range(8):
-        for s, shift in (("separate", 0.0), ("concat", 0.02), ("frozen-bn", 0.0)):
+        for s, shift in (("separate", 0.0), ("concat", 0.02), ("eval-bn", 0.0)):
             for stats_, extra in (("running", 0.0), ("recalibrated", -0.01)):
                 rows.append(
                     {
@@ -322,7 +322,7 @@ def test_endpoint_tests_primary_unadjusted_secondaries_holm_sign_test_by_hand():
         ("concat", "separate", "auroc", "running"),
         ("concat", "separate", "auroc", "recalibrated"),
         ("concat", "separate", "fpr95", "running"),
-        ("separate", "frozen-bn", "auroc", "running"),
+        ("separate", "eval-bn", "auroc", "running"),
     ]
     out = endpoint_tests(rows, ends)
     assert [d["role"] for d in out] == ["primary"] + ["secondary"] * 3

@@ -206,8 +206,8 @@ def test_interleave_strategy_forwards_two_halves_each_half_labeled_and_half_unla
         (
             "both",
             None,
-            "strategy.*separate, concat, split-bn, recalibrate, concat-both, frozen-bn, "
-            "frozen-bn-concat.*'both'",
+            "strategy.*separate, concat, split-bn, recalibrate, concat-both, eval-bn, "
+            "eval-bn-concat.*'both'",
         ),
         (
             "split-bn",

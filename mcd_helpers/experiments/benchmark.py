@@ -168,8 +168,8 @@ BENCHMARK_PRESETS = {
     # epoch, AUROC of MCD concat - separate with the running statistics, paired over 20 seeds
     # (t-test, 95% CI, exact sign test). 6,400 unlabeled images, 2 x 100 steps of 64 + 64: every
     # unlabeled image drawn exactly twice. Secondaries (one family, Holm): concat-both against both,
-    # concat - separate with recalibrated statistics and in FPR95, and separate - frozen-bn
-    # (frozen-bn-concat - frozen-bn is the no-coupling check: 0 to float rounding).
+    # concat - separate with recalibrated statistics and in FPR95, and separate - eval-bn
+    # (eval-bn-concat - eval-bn is the no-coupling check: 0 to float rounding).
     "primary": BenchmarkPreset(
         _PRIMARY,
         class_splits=("a",),
@@ -177,7 +177,7 @@ BENCHMARK_PRESETS = {
         selections=("last-epoch",),
         reference=(),
         recalibrated=("labeled",),
-        strategies=("separate", "concat", "concat-both", "frozen-bn", "frozen-bn-concat"),
+        strategies=("separate", "concat", "concat-both", "eval-bn", "eval-bn-concat"),
         seeds=20,
         max_seeds=40,
         endpoints=(
@@ -186,7 +186,7 @@ BENCHMARK_PRESETS = {
             ("concat-both", "concat", "auroc", "running"),
             ("concat", "separate", "auroc", "recalibrated"),
             ("concat", "separate", "fpr95", "running"),
-            ("separate", "frozen-bn", "auroc", "running"),
+            ("separate", "eval-bn", "auroc", "running"),
         ),
         about="the primary endpoint: split a, disjoint, last epoch, 5 arms, recalibrated "
         "statistics, 20 seeds; CPU",

@@ -100,7 +100,7 @@ class MCDConfig:
     # --- fine-tuning: official code (solver.py) unless said otherwise ---
     schedule: str = "official"  # official: Step A then Step B each iteration | step_b: Step B only
     # rows of strategies.STRATEGIES: separate, concat, split-bn, recalibrate, concat-both,
-    # frozen-bn, frozen-bn-concat, interleave, separate-detached, concat-detached
+    # eval-bn, eval-bn-concat, interleave, separate-detached, concat-detached
     strategies: tuple[str, ...] = ("separate", "concat")
     finetune_epochs: int = 1  # official: 10
     steps_per_epoch: int = 0  # 0 = one pass over the labeled set (official); > 0 caps it

@@ -218,7 +218,7 @@ class _Stage:
 
     # ---- step ----
     def train_mode(self) -> None:
-        """Train mode, BatchNorm as the strategy fine-tunes it (eval mode for frozen-bn)."""
+        """Train mode, BatchNorm as the strategy fine-tunes it (eval mode for eval-bn)."""
         if self.fine:
             train_mode(self.model, self.strategy)
         else:

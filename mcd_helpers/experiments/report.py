@@ -35,8 +35,8 @@ COMPARISONS = (  # the pairs of arms the report tests, (a, b) for a - b
     ("recalibrate", "separate"),
     ("concat-both", "separate"),
     ("concat" + RECAL, "separate" + RECAL),
-    ("separate", "frozen-bn"),
-    ("frozen-bn-concat", "frozen-bn"),
+    ("separate", "eval-bn"),
+    ("eval-bn-concat", "eval-bn"),
 )
 METRICS = ("auroc", "fpr95", "aupr_in", "aupr_out", "id_accuracy")
 # class_split of the pairs pooled over class splits (a pair = one split's means over its seeds)
