@@ -100,6 +100,19 @@ def test_a_finished_run_writes_its_three_files_together_and_says_finished(tmp_pa
     # stage checkpoints deleted once the stage is in the cache
     assert not list(out.glob("checkpoints/*.pt"))
     assert {p.name for p in out.glob("*.png")} == {"hist_gaussian.png", "roc_gaussian.png"}
+    # where it trained: torch and the CPU kernels it ran (AVX2 or AVX-512 ones on a CPU that has
+    # AVX2, as /proc/cpuinfo lists it, unless ATEN_CPU_CAPABILITY asks for less)
+    import torch
+
+    machine = run_json(out)["machine"]
+    assert machine["torch"] == torch.__version__ and machine["threads"] >= 1
+    cpuinfo = Path("/proc/cpuinfo")
+    if (
+        cpuinfo.exists()
+        and " avx2 " in cpuinfo.read_text()
+        and "ATEN_CPU_CAPABILITY" not in os.environ
+    ):
+        assert machine["cpu_capability"] in ("AVX2", "AVX512")
 
 
 def test_run_json_profiles_each_stage(tmp_path, cache, monkeypatch, capsys):

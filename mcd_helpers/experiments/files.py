@@ -170,7 +170,18 @@ def _take(out: Path, lock, settings: dict, resume: bool, fresh: bool, quiet: boo
             )
         _delete_earlier_run(out)
     started = {"status": "running", "pid": os.getpid(), "resumed": resume, "started": _now()}
-    write_json(out / "run.json", {**started, **settings})
+    write_json(out / "run.json", {**started, "machine": machine(), **settings})
+
+
+def machine() -> dict:
+    """What float32 results depend on beyond the code: torch's version, the CPU kernels it
+    dispatches to (``"AVX512"``, ``"AVX2"``, ...) and its thread count. Two CPUs with other kernels
+    train other networks from the same seed (docs/near-ood.md, the generality rerun)."""
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 @contextlib.contextmanager
