@@ -270,6 +270,26 @@ BENCHMARK_PRESETS = {
         about="why concat wins: 5 arms x 4 evaluation statistics at the full OOD share and at "
         "none, split a, disjoint, last epoch; CPU",
     ),
+    # The converged network (benchmarks/pretrain-length-plan.md, part 2, registered before its
+    # run): the primary's setting pre-trained for 10 epochs, the length the plan's rule chose on the
+    # curve in benchmarks/results/pretrain-length/. Fresh seeds: run it with --seeds 40-59.
+    "converged": BenchmarkPreset(
+        dataclasses.replace(_PRIMARY, pretrain_epochs=10, pretrain_milestones=(5,)),
+        class_splits=("a",),
+        protocols=("disjoint",),
+        selections=("last-epoch",),
+        strategies=("separate", "concat", "interleave"),
+        reference=(),
+        seeds=20,
+        max_seeds=40,
+        endpoints=(
+            ("concat", "separate", "auroc", "running"),
+            ("interleave", "separate", "auroc", "running"),
+            ("concat", "interleave", "auroc", "running"),
+        ),
+        about="the primary endpoint on a converged network (10 pre-training epochs): split a, "
+        "disjoint, last epoch, separate, concat and interleave, 20 seeds; CPU",
+    ),
     # The test suite's: the whole grid at toy size (a minute or two).
     "near-ood-tiny": BenchmarkPreset(
         MCDConfig(
