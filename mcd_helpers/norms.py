@@ -171,9 +171,8 @@ def recalibrate_bn(model: nn.Module, x: torch.Tensor, batch_size: int = 256) -> 
     The statistics are reset and re-estimated as the equal-weight average over the batches of
     ``x`` (``momentum=None``, as ``torch.optim.swa_utils.update_bn``): the mean of the batch means
     and of the unbiased batch variances; a last batch of one sample is skipped. Parameters, modes
-    and momenta are kept (layers in eval mode stay in eval mode and are recalibrated too); on an
-    error the old statistics come back. Source 0 of a :class:`PerSourceBatchNorm` is the one
-    recalibrated.
+    and momenta are kept (layers in eval mode stay so, recalibrated too); on an error the old
+    statistics come back. Source 0 of a :class:`PerSourceBatchNorm` is the one recalibrated.
 
     Shapes:
         x: ``(N, ...)``, the model's input (e.g. ID training images), on the model's device.
