@@ -60,7 +60,10 @@ def main() -> None:
     parser.add_argument("--seeds", default="0-2", help="a range A-B (default 0-2)")
     parser.add_argument("--out", type=Path, default=Path("build/pretrain-length"))
     args = parser.parse_args()
-    first, last = (int(s) for s in args.seeds.split("-"))
+    first, _, last = args.seeds.partition("-")
+    if not (first.isdigit() and last.isdigit() and int(first) <= int(last)):
+        parser.error(f"--seeds must be a range A-B with A <= B, e.g. 0-2; got {args.seeds!r}")
+    first, last = int(first), int(last)
     plan = subprocess.run(
         ["git", "log", "-1", "--format=%H", "--", PLAN], capture_output=True, text=True
     ).stdout.strip()
