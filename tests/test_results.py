@@ -551,3 +551,48 @@ def test_the_mechanism_study_the_answer_and_docs_quote():
     assert "beat separate forwards by 7.21 points" in answer
     docs = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
     assert mechanism_markdown(rows) in docs
+
+
+def test_the_converged_network_plan_curve_and_replication_docs_quote():
+    # benchmarks/pretrain-length-plan.md: committed before both parts; part 1's rule and part 2's
+    # estimands recomputed with numpy and scipy alone
+    curve = json.loads((RESULTS / "pretrain-length" / "curve.json").read_text())
+    run = json.loads((RESULTS / "converged" / "run.json").read_text())
+    assert not run["commit"].endswith("+changes"), "the run started from uncommitted code"
+    done = subprocess.run(
+        ["git", "log", "-1", "--format=%cI", curve["plan_commit"]],
+        cwd=RESULTS.parents[1],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode:
+        pytest.skip(f"git cannot answer here ({done.stderr.strip()[:80]}): not a full checkout")
+    assert done.stdout.strip()[:19] < run["started"]
+    accuracy = {
+        e: np.mean([r["id_accuracy"] for r in curve["rows"] if r["epochs"] == e])
+        for e in (2, 5, 10, 15)
+    }
+    best = max(accuracy.values())
+    assert min(e for e, a in accuracy.items() if a >= best - 0.005) == 10  # the plan's rule
+    assert [round(100 * accuracy[e], 2) for e in (2, 5, 10, 15)] == [90.63, 92.59, 93.98, 94.18]
+    v = {
+        (r["strategy"], r["seed"]): 100 * r["auroc"]
+        for r in load("converged")
+        if r["method"] == "mcd" and r["eval_stats"] == "running"
+    }
+    seeds = range(40, 60)
+
+    def diff(a, b):
+        return np.array([v[a, i] - v[b, i] for i in seeds])
+
+    main, interleave_gain, last = (
+        diff("concat", "separate"),
+        diff("interleave", "separate"),
+        diff("concat", "interleave"),
+    )
+    assert round(main.mean(), 2) == 5.03 and main.mean() - half_width(main) > 0
+    assert round(interleave_gain.mean(), 2) == 5.07
+    assert round(last.mean(), 2) == -0.04 and tost_p(last) < 0.05  # interleave matches concat
+    docs = " ".join((RESULTS.parents[1] / "docs" / "near-ood.md").read_text().split())
+    answer = " ".join((RESULTS.parents[1] / "docs" / "answer.md").read_text().split())
+    assert "+5.03 [+3.80, +6.26]" in docs and "concat − separate +5.03 points" in answer
