@@ -104,20 +104,29 @@ _PRIMARY = MCDConfig(
 )
 
 
+def _on_split_a(config: MCDConfig, **fields) -> BenchmarkPreset:
+    """A preset of the reference answer's setting: ``config`` on class split a, the disjoint
+    protocol, the last epoch's network, no GroupNorm reference, at most 40 seeds; ``fields`` the
+    rest of :class:`BenchmarkPreset`."""
+    setting = dict(
+        class_splits=("a",),
+        protocols=("disjoint",),
+        selections=("last-epoch",),
+        reference=(),
+        max_seeds=40,
+    )
+    return BenchmarkPreset(config, **(setting | fields))
+
+
 def _dose(
     field: str, values: tuple, what: str, config: MCDConfig = _PRIMARY, **more
 ) -> BenchmarkPreset:
     """A dose-response preset: ``config`` (the primary's) at each of ``values`` of ``field``, split
     a, disjoint, last epoch, concat and separate, 10 seeds."""
-    return BenchmarkPreset(
+    return _on_split_a(
         config,
-        class_splits=("a",),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
         strategies=("separate", "concat"),
-        reference=(),
         seeds=10,
-        max_seeds=40,
         doses=((field, values),),
         about=f"concat - separate against {what}, split a, disjoint, 10 seeds; CPU",
         **more,
@@ -170,16 +179,11 @@ BENCHMARK_PRESETS = {
     # unlabeled image drawn exactly twice. Secondaries (one family, Holm): concat-both against both,
     # concat - separate with recalibrated statistics and in FPR95, and separate - eval-bn
     # (eval-bn-concat - eval-bn is the no-coupling check: 0 to float rounding).
-    "primary": BenchmarkPreset(
+    "primary": _on_split_a(
         _PRIMARY,
-        class_splits=("a",),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
-        reference=(),
         recalibrated=("labeled",),
         strategies=("separate", "concat", "concat-both", "eval-bn", "eval-bn-concat"),
         seeds=20,
-        max_seeds=40,
         endpoints=(
             ("concat", "separate", "auroc", "running"),
             ("concat-both", "separate", "auroc", "running"),
@@ -238,15 +242,10 @@ BENCHMARK_PRESETS = {
     # Depth: the primary endpoint on a pre-activation ResNet-20 (0.27 M parameters, 19 BatchNorm
     # layers against small_cnn's 3), concat and separate; about 2x small_cnn's time per cell on a
     # CPU (140 s against 63 s).
-    "depth": BenchmarkPreset(
+    "depth": _on_split_a(
         dataclasses.replace(_PRIMARY, model="resnet_20"),
-        class_splits=("a",),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
         strategies=("separate", "concat"),
-        reference=(),
         seeds=10,
-        max_seeds=40,
         endpoints=(("concat", "separate", "auroc", "running"),),
         about="the primary endpoint on resnet_20: split a, disjoint, last epoch, concat and "
         "separate, 10 seeds; CPU",
@@ -256,32 +255,22 @@ BENCHMARK_PRESETS = {
     # separate's BatchNorm batch size with concat's mixing; *-detached: no gradient through the
     # batch statistics), each network also evaluated with statistics recalibrated on the labeled
     # images, the unlabeled pool and a mixture. Fresh seeds: run it with --seeds 20-29.
-    "mechanism": BenchmarkPreset(
+    "mechanism": _on_split_a(
         _PRIMARY,
-        class_splits=("a",),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
         strategies=("separate", "concat", "interleave", "separate-detached", "concat-detached"),
-        reference=(),
         recalibrated=("labeled", "unlabeled", "mixture"),
         doses=(("unlabeled_ood_fraction", (1.0, 0.0)),),
         seeds=10,
-        max_seeds=40,
         about="why concat wins: 5 arms x 4 evaluation statistics at the full OOD share and at "
         "none, split a, disjoint, last epoch; CPU",
     ),
     # The converged network (benchmarks/pretrain-length-plan.md, part 2, registered before its
     # run): the primary's setting pre-trained for 10 epochs, the length the plan's rule chose on the
     # curve in benchmarks/results/pretrain-length/. Fresh seeds: run it with --seeds 40-59.
-    "converged": BenchmarkPreset(
+    "converged": _on_split_a(
         dataclasses.replace(_PRIMARY, pretrain_epochs=10, pretrain_milestones=(5,)),
-        class_splits=("a",),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
         strategies=("separate", "concat", "interleave"),
-        reference=(),
         seeds=20,
-        max_seeds=40,
         endpoints=(
             ("concat", "separate", "auroc", "running"),
             ("interleave", "separate", "auroc", "running"),
