@@ -61,6 +61,15 @@ def tost_p(d: np.ndarray, margin: float = 1.0) -> float:
     return max(stats.t.sf((d.mean() + margin) / se, df), stats.t.cdf((d.mean() - margin) / se, df))
 
 
+def git(*args: str) -> str:
+    """A git command's output in the repository; the test is skipped where git cannot answer (not
+    a full checkout)."""
+    done = subprocess.run(["git", *args], cwd=RESULTS.parents[1], capture_output=True, text=True)
+    if done.returncode:
+        pytest.skip(f"git cannot answer here ({done.stderr.strip()[:80]}): not a full checkout")
+    return done.stdout.strip()
+
+
 def doc_table(title: str) -> list[list[str]]:
     """The cells of the first table after the bold ``title`` in docs/near-ood.md (no header)."""
     text = (RESULTS.parents[1] / "docs" / "near-ood.md").read_text()
@@ -513,15 +522,6 @@ def test_the_mechanism_plan_was_committed_before_its_run():
     run = json.loads((RESULTS / "mechanism" / "run.json").read_text())
     commit = run["commit"].split("+")[0]
     assert not run["commit"].endswith("+changes"), "the run started from uncommitted code"
-
-    def git(*args):
-        done = subprocess.run(
-            ["git", *args], cwd=RESULTS.parents[1], capture_output=True, text=True
-        )
-        if done.returncode:
-            pytest.skip(f"git cannot answer here ({done.stderr.strip()[:80]}): not a full checkout")
-        return done.stdout.strip()
-
     committed_at = git("log", "-1", "--format=%cI", commit)
     assert committed_at[:19] < run["started"]  # ISO times, both UTC on the machine that ran it
     assert "## Predictions" in git("show", f"{commit}:benchmarks/mechanism-plan.md")
@@ -559,15 +559,7 @@ def test_the_converged_network_plan_curve_and_replication_docs_quote():
     curve = json.loads((RESULTS / "pretrain-length" / "curve.json").read_text())
     run = json.loads((RESULTS / "converged" / "run.json").read_text())
     assert not run["commit"].endswith("+changes"), "the run started from uncommitted code"
-    done = subprocess.run(
-        ["git", "log", "-1", "--format=%cI", curve["plan_commit"]],
-        cwd=RESULTS.parents[1],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode:
-        pytest.skip(f"git cannot answer here ({done.stderr.strip()[:80]}): not a full checkout")
-    assert done.stdout.strip()[:19] < run["started"]
+    assert git("log", "-1", "--format=%cI", curve["plan_commit"])[:19] < run["started"]
     accuracy = {
         e: np.mean([r["id_accuracy"] for r in curve["rows"] if r["epochs"] == e])
         for e in (2, 5, 10, 15)
