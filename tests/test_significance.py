@@ -7,6 +7,7 @@ import re
 import matplotlib
 import numpy as np
 import pytest
+from scipy import optimize
 from scipy import stats as st
 
 from mcd_helpers.experiments.significance import (
@@ -475,6 +476,45 @@ def test_split_effects_at_no_split_effect_and_bad_input():
     far_msp = [{**r, "task": "far-ood", "auroc": 0.99} for r in rows if r["method"] == "msp"]
     # the covariate from the same task only
     assert split_effects(rows + far_msp)["slope"] == out["slope"]
+
+
+def reml_profile_by_matrices(d: np.ndarray, tau2: float) -> float:
+    """The REML log-likelihood of ``d`` (k, n) at tau^2 = ``tau2``, maximised over sigma^2 on a
+    bounded search, from the general formula -1/2 [log|V| + log|X'V^-1 X| + y'Py] with V built
+    entry by entry (Harville 1977, J. Am. Stat. Assoc. 72:320)."""
+    k, n = d.shape
+    y, x, z = d.ravel(), np.ones((d.size, 1)), np.kron(np.eye(k), np.ones((n, 1)))
+
+    def loglik(sigma2):
+        v = sigma2 * np.eye(d.size) + tau2 * z @ z.T
+        vi = np.linalg.inv(v)
+        xvx = x.T @ vi @ x
+        p = vi - vi @ x @ np.linalg.inv(xvx) @ x.T @ vi
+        return -0.5 * (np.linalg.slogdet(v)[1] + np.linalg.slogdet(xvx)[1] + y @ p @ y)
+
+    best = optimize.minimize_scalar(
+        lambda log_s2: -loglik(np.exp(log_s2)), bounds=(-14, 0), method="bounded"
+    )
+    return -best.fun
+
+
+@pytest.mark.parametrize("tau, seed", [(0.03, 2), (0.0, 1)])
+def test_split_effects_tau_interval_is_the_reml_profile_likelihoods(tau, seed):
+    from mcd_helpers.experiments.significance import split_effects
+
+    rows = split_rows(k=8, n=4, tau=tau, sigma=0.02, seed=seed)
+    out = split_effects(rows)
+    d = anova(rows, 8, 4)[0]
+    top = reml_profile_by_matrices(d, out["tau"] ** 2)
+    drop = st.chi2.ppf(0.95, 1) / 2
+    for end in ("tau_low", "tau_high"):  # each end drops the profile by chi2_1(0.95) / 2
+        if out[end] > 0:
+            assert top - reml_profile_by_matrices(d, out[end] ** 2) == pytest.approx(drop, abs=1e-5)
+    assert out["tau_low"] <= out["tau"] < out["tau_high"]
+    if tau == 0:  # tau = 0 is inside: the interval starts at the boundary
+        assert out["tau_low"] == 0 and top - reml_profile_by_matrices(d, 0.0) < drop
+    else:
+        assert out["tau_low"] > 0
 
 
 def test_split_effects_refuses_splits_with_different_numbers_of_seeds():

@@ -239,6 +239,22 @@ BENCHMARK_PRESETS = {
         about="concat - separate over 30 random 6/4 class splits, disjoint, last epoch, 3 seeds; "
         "CPU",
     ),
+    # Generality under both protocols: the first 15 of generality's random class splits, disjoint
+    # and unseen-ood (the unlabeled OOD images from photo crops, not the held-out classes) from the
+    # same pre-trained networks, concat and separate (benchmarks/generality-unseen-plan.md,
+    # registered before its run). Fresh seeds: run it with --seeds 60-65.
+    "generality-unseen": BenchmarkPreset(
+        _PRIMARY,
+        class_splits=random_class_splits(30)[:15],
+        protocols=("disjoint", "unseen-ood"),
+        selections=("last-epoch",),
+        strategies=("separate", "concat"),
+        reference=(),
+        seeds=6,
+        max_seeds=10,
+        about="concat - separate over 15 random 6/4 class splits, disjoint and unseen-ood, last "
+        "epoch, 6 seeds; CPU",
+    ),
     # Depth: the primary endpoint on a pre-activation ResNet-20 (0.27 M parameters, 19 BatchNorm
     # layers against small_cnn's 3), concat and separate; about 2x small_cnn's time per cell on a
     # CPU (140 s against 63 s).

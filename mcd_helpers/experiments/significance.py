@@ -14,7 +14,7 @@ import math
 from typing import Sequence
 
 import numpy as np
-from scipy import stats
+from scipy import optimize, stats
 from statsmodels.stats.multitest import multipletests
 from statsmodels.stats.weightstats import ttost_paired
 
@@ -220,15 +220,58 @@ def _reml(d: np.ndarray, confidence: float) -> dict:
     se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
     half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
     pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
+    tau_low, tau_high = _tau_interval(d, tau2, confidence)
     return {
         **{"mean": mu, "low": mu - half, "high": mu + half, "se": se},
         **{
             "tau": math.sqrt(tau2),
+            "tau_low": tau_low,
+            "tau_high": tau_high,
             "sigma": math.sqrt(sigma2),
             "pi_low": mu - pi,
             "pi_high": mu + pi,
         },
     }
+
+
+def _reml_loglik(tau2: float, sigma2: float, ssb: float, ssw: float, k: int, n: int) -> float:
+    """The REML log-likelihood of the balanced one-way random-effects model, up to a constant:
+    ``-1/2 [(k-1) log(s2 + n t2) + k(n-1) log s2 + SSB / (s2 + n t2) + SSW / s2]`` (Searle, Casella
+    & McCulloch 1992, 6.7), with SSB ``n sum_i (m_i - m)^2`` and SSW ``sum_ij (d_ij - m_i)^2``."""
+    between = sigma2 + n * tau2
+    return -0.5 * (
+        (k - 1) * math.log(between) + k * (n - 1) * math.log(sigma2) + ssb / between + ssw / sigma2
+    )
+
+
+def _tau_interval(d: np.ndarray, tau2: float, confidence: float) -> tuple[float, float]:
+    """The profile-likelihood interval of tau for ``d`` ``(k splits, n seeds)``: every tau whose
+    REML log-likelihood, maximised over sigma, is within ``chi2_1(confidence) / 2`` of the maximum
+    at the REML estimate ``tau2`` (Pawitan 2001, *In All Likelihood*, 2.6). The lower end is 0 when
+    tau = 0 is inside (the boundary is not corrected for)."""
+    k, n = d.shape
+    m = d.mean(1)
+    ssb, ssw = n * float(((m - m.mean()) ** 2).sum()), float(((d - m[:, None]) ** 2).sum())
+
+    def profile(t2: float) -> float:  # the log-likelihood at tau^2 = t2, maximised over sigma^2
+        scale = max(ssw / (k * (n - 1)), 1e-300)
+        best = optimize.minimize_scalar(
+            lambda log_s2: -_reml_loglik(t2, math.exp(log_s2), ssb, ssw, k, n),
+            bracket=(math.log(scale) - 1, math.log(scale) + 1),
+        )
+        return -float(best.fun)
+
+    drop = float(stats.chi2.ppf(confidence, 1)) / 2
+    top = profile(tau2)
+
+    def gap(t2: float) -> float:
+        return top - profile(t2) - drop
+
+    low = 0.0 if gap(0.0) <= 0 else optimize.brentq(gap, 0.0, tau2)
+    high = max(tau2, ssb / (k - 1) / n, 1e-12)
+    while gap(high) < 0:  # widen until the upper end is bracketed
+        high *= 4
+    return math.sqrt(low), math.sqrt(optimize.brentq(gap, tau2, high))
 
 
 def _covariate_fit(rows, pairs, where: set, covariate: str, metric: str) -> tuple[list, dict]:
@@ -269,8 +312,9 @@ def split_effects(
 
     Returns:
         ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau``
-        (the between-split SD), ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction
-        interval for a new split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson &
+        (the between-split SD) with ``tau_low, tau_high`` (its profile-likelihood interval),
+        ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction interval for a new
+        split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson &
         Spiegelhalter 2009, J. R. Stat. Soc. A 172:137), ``k`` splits, ``n`` pairs, ``splits`` (per
         split: ``class_split``, ``mean``, ``seeds``, ``covariate``: the mean ``metric`` of method
         ``covariate`` there) and ``slope``, ``slope_p``, ``r``: the split means regressed on the
