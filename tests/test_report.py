@@ -297,7 +297,7 @@ def test_split_effects_equal_the_balanced_anova_and_the_pooled_split_means():
         f"| disjoint | last-epoch | concat − separate | {k} | {k * n} | {100 * mean:+.2f} "
         f"[{100 * (mean - half):+.2f}, "
         f"{100 * (mean + half):+.2f}] | {100 * tau:.2f} [{100 * out['tau_low']:.2f}, "
-        f"{100 * out['tau_high']:.2f}] | {100 * sigma:.2f} |"
+        f"{100 * out['tau_high']:.2f}]; p {out['tau_p']:.2g} | {100 * sigma:.2f} |"
     )
     assert any(x.startswith(line) for x in summary_text(rows).splitlines())
     # two splits: no random effect

@@ -431,6 +431,7 @@ def test_the_thirty_split_random_effect_docs_quote_recomputes_by_hand():
     assert "it gained 2.67 points of **AUROC**" in answer and "95% CI +1.50 to +3.84" in answer
     assert "28 of 30 splits ahead" in answer and "a new split: -1.80 to +7.14" in answer
     assert (round(100 * fit["tau_low"], 2), round(100 * fit["tau_high"], 2)) == (0.00, 3.46)
+    assert round(stats.f_oneway(*d).pvalue, 3) == 0.025 and "| p = 0.025 |" in docs  # tau = 0
     assert "| 2.10 [0.00, 3.46] / 4.01 |" in docs and "| -0.08, p = 0.14 (r = -0.28) |" in docs
     rest = np.delete(means, means.argmax())  # docs: without the largest split
     assert (round(rest.mean(), 2), round(half_width(rest), 2)) == (2.21, 0.73)

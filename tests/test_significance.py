@@ -515,6 +515,26 @@ def test_split_effects_tau_interval_is_the_reml_profile_likelihoods(tau, seed):
         assert out["tau_low"] == 0 and top - reml_profile_by_matrices(d, 0.0) < drop
     else:
         assert out["tau_low"] > 0
+    # tau = 0 tested exactly: the one-way ANOVA's F test over the splits, by scipy
+    assert out["tau_p"] == pytest.approx(st.f_oneway(*d).pvalue, rel=1e-9)
+
+
+def test_split_effects_tau_interval_scales_with_the_data_and_is_nan_without_spread():
+    from mcd_helpers.experiments.significance import split_effects
+
+    rows = split_rows(k=6, n=3, tau=0.03, sigma=0.02, seed=4)
+    out = split_effects(rows)
+    small = split_effects([{**r, "auroc": 1e-6 * r["auroc"]} for r in rows])
+    assert (small["tau_low"], small["tau_high"]) == pytest.approx(
+        (1e-6 * out["tau_low"], 1e-6 * out["tau_high"]), rel=1e-6
+    )
+    # every seed of a split the same: no within-split spread, no likelihood maximum
+    same = [{**r, "auroc": 0.6 + 0.01 * int(r["class_split"][1:])} for r in rows]
+    flat = split_effects(
+        [r for r in same if r["method"] == "mcd" and r["strategy"] == "concat"]
+        + [{**r, "auroc": 0.5} for r in same if r["strategy"] == "separate"]
+    )
+    assert np.isnan(flat["tau_low"]) and np.isnan(flat["tau_high"]) and flat["sigma"] == 0
 
 
 def test_split_effects_refuses_splits_with_different_numbers_of_seeds():

@@ -247,7 +247,8 @@ def split_effects_markdown(effects: Sequence[dict]) -> str:
             e["k"],
             e["n"],
             f"{pp(e['mean'])} [{pp(e['low'])}, {pp(e['high'])}]",
-            f"{100 * e['tau']:.2f} [{100 * e['tau_low']:.2f}, {100 * e['tau_high']:.2f}]",
+            f"{100 * e['tau']:.2f} [{100 * e['tau_low']:.2f}, {100 * e['tau_high']:.2f}]; "
+            f"p {e['tau_p']:.2g}",
             f"{100 * e['sigma']:.2f}",
             f"[{pp(e['pi_low'])}, {pp(e['pi_high'])}]",
             f"{e['slope']:+.2f} (p {e['slope_p']:.2g})",
@@ -263,7 +264,7 @@ def split_effects_markdown(effects: Sequence[dict]) -> str:
             "splits",
             "pairs",
             "mean [95% CI] (pp)",
-            "between-split SD [95% CI] (pp)",
+            "between-split SD (pp) [95% CI]; p of τ = 0",
             "within-split SD (pp)",
             "95% prediction interval, new split (pp)",
             "slope on MSP AUROC",
@@ -286,8 +287,9 @@ _ENDPOINTS = (
 )
 _SPLIT_EFFECTS = (
     "MCD on the BatchNorm network, AUROC, running statistics: d = mu + u_split + e, fitted by REML "
-    "(in closed form: as many seeds in every split), the between-split SD's interval by its "
-    "profile likelihood; the prediction interval is for a new class "
+    "(in closed form: as many seeds in every split), the between-split SD τ's interval by its "
+    "profile likelihood (its χ² cut-off not corrected at τ = 0) and τ = 0 tested exactly (the "
+    "one-way ANOVA's F test); the prediction interval is for a new class "
     "split's effect (Higgins et al. 2009); the slope regresses the split means on MSP's "
     "AUROC there (a harder split has a lower MSP AUROC)."
 )

@@ -211,7 +211,8 @@ def endpoint_tests(
 def _reml(d: np.ndarray, confidence: float) -> dict:
     """The balanced one-way random-effects model of ``d`` ``(k splits, n seeds)`` by REML in closed
     form (the one-way ANOVA's; Searle, Casella & McCulloch 1992, *Variance Components*, 3.6-3.7):
-    mu with its interval, tau, sigma, se and the prediction interval for a new split."""
+    mu with its interval, tau with its interval and the p-value of tau = 0, sigma, se and the
+    prediction interval for a new split."""
     k, n = d.shape
     m = d.mean(1)  # (k,) split means
     msb, msw = n * m.var(ddof=1), float(((d - m[:, None]) ** 2).sum()) / (k * (n - 1))
@@ -221,12 +222,15 @@ def _reml(d: np.ndarray, confidence: float) -> dict:
     half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
     pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
     tau_low, tau_high = _tau_interval(d, tau2, confidence)
+    # tau = 0 tested exactly: MSB / MSW ~ F(k - 1, k (n - 1)) (Searle, Casella & McCulloch 3.5)
+    tau_p = float(stats.f.sf(msb / msw, k - 1, k * (n - 1))) if msw > 0 else math.nan
     return {
         **{"mean": mu, "low": mu - half, "high": mu + half, "se": se},
         **{
             "tau": math.sqrt(tau2),
             "tau_low": tau_low,
             "tau_high": tau_high,
+            "tau_p": tau_p,
             "sigma": math.sqrt(sigma2),
             "pi_low": mu - pi,
             "pi_high": mu + pi,
@@ -248,30 +252,36 @@ def _tau_interval(d: np.ndarray, tau2: float, confidence: float) -> tuple[float,
     """The profile-likelihood interval of tau for ``d`` ``(k splits, n seeds)``: every tau whose
     REML log-likelihood, maximised over sigma, is within ``chi2_1(confidence) / 2`` of the maximum
     at the REML estimate ``tau2`` (Pawitan 2001, *In All Likelihood*, 2.6). The lower end is 0 when
-    tau = 0 is inside (the boundary is not corrected for)."""
+    tau = 0 is inside; the chi2_1 cut-off is not corrected for that boundary, so it keeps tau = 0
+    more often than a test at ``1 - confidence`` would (:func:`_reml`'s ``tau_p`` is that test).
+    Computed on ``d`` divided by its within-split SD (the interval scales with the data); NaN when
+    that SD is 0 or a difference is not finite (the likelihood has no maximum then)."""
     k, n = d.shape
     m = d.mean(1)
-    ssb, ssw = n * float(((m - m.mean()) ** 2).sum()), float(((d - m[:, None]) ** 2).sum())
+    within = math.sqrt(float(((d - m[:, None]) ** 2).sum()) / (k * (n - 1)))
+    if not (math.isfinite(within) and within > 1e-9 * float(np.abs(d).max())):  # 0 to rounding
+        return math.nan, math.nan
+    z, t2_hat = d / within, tau2 / within**2  # within-split variance 1
+    mz = z.mean(1)
+    ssb, ssw = n * float(((mz - mz.mean()) ** 2).sum()), float(((z - mz[:, None]) ** 2).sum())
 
     def profile(t2: float) -> float:  # the log-likelihood at tau^2 = t2, maximised over sigma^2
-        scale = max(ssw / (k * (n - 1)), 1e-300)
         best = optimize.minimize_scalar(
-            lambda log_s2: -_reml_loglik(t2, math.exp(log_s2), ssb, ssw, k, n),
-            bracket=(math.log(scale) - 1, math.log(scale) + 1),
+            lambda log_s2: -_reml_loglik(t2, math.exp(log_s2), ssb, ssw, k, n), bracket=(-1, 1)
         )
         return -float(best.fun)
 
     drop = float(stats.chi2.ppf(confidence, 1)) / 2
-    top = profile(tau2)
+    top = profile(t2_hat)
 
     def gap(t2: float) -> float:
         return top - profile(t2) - drop
 
-    low = 0.0 if gap(0.0) <= 0 else optimize.brentq(gap, 0.0, tau2)
-    high = max(tau2, ssb / (k - 1) / n, 1e-12)
+    low = 0.0 if gap(0.0) <= 0 else optimize.brentq(gap, 0.0, t2_hat)
+    high = max(t2_hat, ssb / (k - 1) / n, 1.0)
     while gap(high) < 0:  # widen until the upper end is bracketed
         high *= 4
-    return math.sqrt(low), math.sqrt(optimize.brentq(gap, tau2, high))
+    return within * math.sqrt(low), within * math.sqrt(optimize.brentq(gap, t2_hat, high))
 
 
 def _covariate_fit(rows, pairs, where: set, covariate: str, metric: str) -> tuple[list, dict]:
@@ -312,8 +322,9 @@ def split_effects(
 
     Returns:
         ``{"mean", "low", "high"}`` (mu and its interval, Student t with k - 1 df), ``se``, ``tau``
-        (the between-split SD) with ``tau_low, tau_high`` (its profile-likelihood interval),
-        ``sigma`` (the within-split SD), ``pi_low, pi_high`` (the prediction interval for a new
+        (the between-split SD) with ``tau_low, tau_high`` (its profile-likelihood interval, NaN
+        without within-split spread) and ``tau_p`` (the exact F test of tau = 0), ``sigma`` (the
+        within-split SD), ``pi_low, pi_high`` (the prediction interval for a new
         split's effect, ``mu ± t_{k-2} sqrt(tau^2 + se^2)``, Higgins, Thompson &
         Spiegelhalter 2009, J. R. Stat. Soc. A 172:137), ``k`` splits, ``n`` pairs, ``splits`` (per
         split: ``class_split``, ``mean``, ``seeds``, ``covariate``: the mean ``metric`` of method
