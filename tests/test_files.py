@@ -186,3 +186,25 @@ def test_new_files_follow_the_umask(tmp_path, umask):
         "r.json": want,
         "c.pt": want,
     }
+
+
+def test_a_resumed_run_keeps_what_its_earlier_session_recorded(tmp_path):
+    from mcd_helpers.experiments.files import output_folder, read_run
+
+    out = tmp_path / "out"
+    with (
+        pytest.raises(KeyboardInterrupt),
+        output_folder(out, {"commit": "aaa"}, quiet=True) as info,
+    ):
+        info["cells"] = 3  # what the run recorded before it was stopped
+        (out / "cells").mkdir()
+        (out / "cells" / "one.json").write_text("{}")  # unfinished work
+        raise KeyboardInterrupt
+    first = read_run(out)
+    assert (first["status"], first["cells"], first["commit"]) == ("interrupted", 3, "aaa")
+    with output_folder(out, {"commit": "bbb"}, resume=True, quiet=True):
+        pass
+    run = read_run(out)
+    assert (run["status"], run["commit"], run["resumed"]) == ("finished", "bbb", True)
+    kept = ("started", "updated", "status", "commit", "machine")
+    assert run["earlier_sessions"] == [{k: first[k] for k in kept}]

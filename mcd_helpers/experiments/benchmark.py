@@ -634,8 +634,8 @@ def run_benchmark(
         )
     out, t0, log = Path(out_dir), time.time(), (lambda msg: None) if quiet else tqdm.write
     settings, grid = _settings(p, preset)
-    with output_folder(out, settings, resume, fresh, quiet) as info:
-        info["commit"] = git_commit()  # which registered plan and code ran (run.json)
+    # which registered plan and code ran, in run.json from the start
+    with output_folder(out, {**settings, "commit": git_commit()}, resume, fresh, quiet) as info:
         data = load_data(p.config)
         # every split of the grid checked before any training (each cell makes its own again: the
         # generated OOD images depend on its seed, and a grid's splits together take gigabytes)

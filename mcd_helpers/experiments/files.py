@@ -170,6 +170,13 @@ def _take(out: Path, lock, settings: dict, resume: bool, fresh: bool, quiet: boo
             )
         _delete_earlier_run(out)
     started = {"status": "running", "pid": os.getpid(), "resumed": resume, "started": _now()}
+    if resume and (earlier := read_run(out)):  # keep when and where the earlier sessions ran
+        kept = {
+            k: earlier[k]
+            for k in ("started", "updated", "status", "commit", "machine")
+            if k in earlier
+        }
+        started["earlier_sessions"] = [*earlier.get("earlier_sessions", []), kept]
     write_json(out / "run.json", {**started, "machine": machine(), **settings})
 
 
@@ -215,10 +222,9 @@ def output_folder(
         yield info
     except BaseException as err:
         stopped = isinstance(err, (KeyboardInterrupt, TrainingInterrupted))
-        info = {
-            "status": "interrupted" if stopped else "failed",
-            "error": f"{type(err).__name__}: {err}",
-        }
+        info.update(  # beside what the run recorded so far
+            status="interrupted" if stopped else "failed", error=f"{type(err).__name__}: {err}"
+        )
         raise
     finally:
         try:
