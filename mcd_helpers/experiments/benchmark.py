@@ -133,6 +133,22 @@ def _dose(
     )
 
 
+def _over_splits(n_splits: int, protocols: tuple, seeds: int, about: str) -> BenchmarkPreset:
+    """``concat`` and ``separate`` on the primary's setting over the first ``n_splits`` of
+    ``random_class_splits(30)`` (drawn with seed 0), each of ``protocols``, the last epoch."""
+    return BenchmarkPreset(
+        _PRIMARY,
+        class_splits=random_class_splits(30)[:n_splits],
+        protocols=protocols,
+        selections=("last-epoch",),
+        strategies=("separate", "concat"),
+        reference=(),
+        seeds=seeds,
+        max_seeds=10,
+        about=about,
+    )
+
+
 BENCHMARK_PRESETS = {
     # CPU, at most 20 minutes on 2 cores from an empty cache: split a, 3 protocols x 4 strategies +
     # the GroupNorm reference, 5 seeds; the ID classes of the first 20,000 training images; 2 x 25
@@ -227,15 +243,10 @@ BENCHMARK_PRESETS = {
     # Generality: 30 random 6/4 class splits (splits.random_class_splits, seed 0) x 3 seeds on the
     # primary's setting, concat and separate; analysed with split as a random effect
     # (stats.split_effects).
-    "generality": BenchmarkPreset(
-        _PRIMARY,
-        class_splits=random_class_splits(30),
-        protocols=("disjoint",),
-        selections=("last-epoch",),
-        strategies=("separate", "concat"),
-        reference=(),
+    "generality": _over_splits(
+        30,
+        ("disjoint",),
         seeds=3,
-        max_seeds=10,
         about="concat - separate over 30 random 6/4 class splits, disjoint, last epoch, 3 seeds; "
         "CPU",
     ),
@@ -243,15 +254,10 @@ BENCHMARK_PRESETS = {
     # and unseen-ood (the unlabeled OOD images from photo crops, not the held-out classes) from the
     # same pre-trained networks, concat and separate (benchmarks/generality-unseen-plan.md,
     # registered before its run). Fresh seeds: run it with --seeds 60-65.
-    "generality-unseen": BenchmarkPreset(
-        _PRIMARY,
-        class_splits=random_class_splits(30)[:15],
-        protocols=("disjoint", "unseen-ood"),
-        selections=("last-epoch",),
-        strategies=("separate", "concat"),
-        reference=(),
+    "generality-unseen": _over_splits(
+        15,
+        ("disjoint", "unseen-ood"),
         seeds=6,
-        max_seeds=10,
         about="concat - separate over 15 random 6/4 class splits, disjoint and unseen-ood, last "
         "epoch, 6 seeds; CPU",
     ),
