@@ -221,7 +221,7 @@ def _reml(d: np.ndarray, confidence: float) -> dict:
     se = math.sqrt((msb if msb >= msw else sigma2) / (k * n))
     half = float(stats.t.ppf((1 + confidence) / 2, k - 1)) * se
     pi = float(stats.t.ppf((1 + confidence) / 2, k - 2)) * math.sqrt(tau2 + se**2)
-    tau_low, tau_high = _tau_interval(d, tau2, confidence)
+    tau_low, tau_high = _tau_interval(msb, msw, k, n, float(np.abs(d).max()), confidence)
     # tau = 0 tested exactly: MSB / MSW ~ F(k - 1, k (n - 1)) (Searle, Casella & McCulloch 3.5)
     tau_p = float(stats.f.sf(msb / msw, k - 1, k * (n - 1))) if msw > 0 else math.nan
     return {
@@ -248,22 +248,22 @@ def _reml_loglik(tau2: float, sigma2: float, ssb: float, ssw: float, k: int, n: 
     )
 
 
-def _tau_interval(d: np.ndarray, tau2: float, confidence: float) -> tuple[float, float]:
-    """The profile-likelihood interval of tau for ``d`` ``(k splits, n seeds)``: every tau whose
-    REML log-likelihood, maximised over sigma, is within ``chi2_1(confidence) / 2`` of the maximum
-    at the REML estimate ``tau2`` (Pawitan 2001, *In All Likelihood*, 2.6). The lower end is 0 when
-    tau = 0 is inside; the chi2_1 cut-off is not corrected for that boundary, so it keeps tau = 0
-    more often than a test at ``1 - confidence`` would (:func:`_reml`'s ``tau_p`` is that test).
-    Computed on ``d`` divided by its within-split SD (the interval scales with the data); NaN when
-    that SD is 0 or a difference is not finite (the likelihood has no maximum then)."""
-    k, n = d.shape
-    m = d.mean(1)
-    within = math.sqrt(float(((d - m[:, None]) ** 2).sum()) / (k * (n - 1)))
-    if not (math.isfinite(within) and within > 1e-9 * float(np.abs(d).max())):  # 0 to rounding
+def _tau_interval(
+    msb: float, msw: float, k: int, n: int, scale: float, confidence: float
+) -> tuple[float, float]:
+    """The profile-likelihood interval of tau for ``k`` splits of ``n`` seeds with between- and
+    within-split mean squares ``msb``, ``msw``: every tau whose REML log-likelihood, maximised over
+    sigma, is within ``chi2_1(confidence) / 2`` of the maximum at the REML estimate (Pawitan 2001,
+    *In All Likelihood*, 2.6). The lower end is 0 when tau = 0 is inside; the chi2_1 cut-off is not
+    corrected for that boundary, so it keeps tau = 0 more often than a test at ``1 - confidence``
+    would (:func:`_reml`'s ``tau_p`` is that test). Computed in units of the within-split SD (the
+    interval scales with the data); NaN when that SD is 0 to rounding against ``scale``, the
+    largest |difference|, or not finite (the likelihood has no maximum then)."""
+    if not msw > (1e-9 * scale) ** 2:  # also False for NaN
         return math.nan, math.nan
-    z, t2_hat = d / within, tau2 / within**2  # within-split variance 1
-    mz = z.mean(1)
-    ssb, ssw = n * float(((mz - mz.mean()) ** 2).sum()), float(((z - mz[:, None]) ** 2).sum())
+    within = math.sqrt(msw)
+    # the sums of squares in units of msw: within-split variance 1
+    ssb, ssw, t2_hat = (k - 1) * msb / msw, k * (n - 1), max(msb / msw - 1, 0.0) / n
 
     def profile(t2: float) -> float:  # the log-likelihood at tau^2 = t2, maximised over sigma^2
         best = optimize.minimize_scalar(
